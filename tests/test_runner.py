@@ -1,0 +1,77 @@
+"""`bench run` end to end on a tiny random checkpoint: records, manifest, resume after SIGKILL."""
+import json
+import signal
+import subprocess
+import sys
+import time
+
+from bench.results import read_records
+from tests.conftest import BENCH, REPO, run_bench
+
+
+def _run_args(ckpt, out, limit=2):
+    return ["run", "--model", "ds-tiny", "--model-path", str(ckpt), "--suite", "gsm8k", "--suite", "chat",
+            "--limit", str(limit), "--max-new-tokens", "4", "--out", str(out), "--threads", "1", "--json"]
+
+
+def test_run_writes_records_and_manifest_then_skips_done(tiny_checkpoint, tmp_path):
+    out = tmp_path / "run"
+    p = run_bench(*_run_args(tiny_checkpoint, out))
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout)["written"] == 4
+    recs = read_records(out / "records.jsonl")
+    assert [r["prompt_id"] for r in recs] == ["gsm8k-000", "gsm8k-001", "chat-000", "chat-001"]
+    for r in recs:
+        assert 1 <= r["new_tokens"] <= 4 and len(r["tokens"]) == r["new_tokens"]
+        assert r["method"] == "reference" and r["model"] == "ds-tiny" and r["prompt_tokens"] > 5
+    man = json.loads((out / "manifest.json").read_text())
+    assert man["sessions"][-1]["status"] == "complete" and man["machine"]["cpu"]["logical_cores"] >= 1
+    assert "commit" in man["git"]
+    p = run_bench(*_run_args(tiny_checkpoint, out))
+    assert json.loads(p.stdout) | {} and json.loads(p.stdout)["written"] == 0
+    assert json.loads(p.stdout)["skipped"] == 4
+    assert len(json.loads((out / "manifest.json").read_text())["sessions"]) == 2
+
+
+def test_sweep_killed_mid_run_resumes_without_redoing_cells(tiny_checkpoint, tmp_path):
+    out = tmp_path / "run"
+    proc = subprocess.Popen([*BENCH, *_run_args(tiny_checkpoint, out, limit=30)], cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        if (out / "records.jsonl").exists() and len(read_records(out / "records.jsonl")) >= 3:
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    first = read_records(out / "records.jsonl")
+    assert 3 <= len(first) < 60
+    p = run_bench(*_run_args(tiny_checkpoint, out, limit=30))
+    assert p.returncode == 0, p.stderr
+    summary = json.loads(p.stdout)
+    assert summary["skipped"] == len(first) and summary["written"] == 60 - len(first)
+    recs = read_records(out / "records.jsonl")
+    assert len(recs) == 60 and len({r["key"] for r in recs}) == 60
+    assert recs[:len(first)] == first  # finished cells untouched
+    man = json.loads((out / "manifest.json").read_text())
+    assert [s["status"] for s in man["sessions"]] == ["running", "complete"]  # the killed session says so
+
+
+def test_reference_decoder_equals_transformers_generate(tiny_checkpoint):
+    import torch
+
+    from draftexpert.checkpoint import load_target
+    from draftexpert.reference import ReferenceDecoder
+
+    model, tok = load_target(tiny_checkpoint)
+    ids = tok("the model routes each token")["input_ids"]
+    out = ReferenceDecoder(model).generate(ids, 12)
+    gen = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, eos_token_id=None)
+    assert out.tokens == gen[0, len(ids):].tolist()
+
+
+def test_bad_method_and_suite_name_the_flag(tiny_checkpoint):
+    p = run_bench("run", "--model-path", str(tiny_checkpoint), "--method", "medusa")
+    assert p.returncode == 2 and "--method" in p.stderr
+    p = run_bench("run", "--model-path", str(tiny_checkpoint), "--suite", "trivia")
+    assert p.returncode == 2 and "--suite" in p.stderr
