@@ -242,6 +242,127 @@ def run(model: Annotated[str, typer.Option("--model", help="ds | ml | ds-tiny | 
     emit(summary, as_json, f"{summary['written']} written, {summary['skipped']} already done → {run_dir}")
 
 
+# ---------------------------------------------------------------- data, tiny models
+
+CORPUS_DIR, DATA_DIR, TRAIN_DIR = WORK_DIR / "corpus", WORK_DIR / "data", WORK_DIR / "train"
+
+
+@data_app.command("corpus")
+def data_corpus(out: Annotated[Path, typer.Option("--out")] = CORPUS_DIR, as_json: JsonOpt = False):
+    """Assemble the offline training corpus (train/val split, manifest, eval-prompt decontamination)."""
+    from bench.sources import SourceError
+    from bench.tiny import corpus
+
+    try:
+        manifest = corpus.build(out, log=log)
+    except SourceError as e:
+        fail(str(e))
+    total = sum(s["train_bytes"] + s["val_bytes"] for s in manifest["sources"])
+    emit(manifest, as_json, f"{total / 2**20:.1f} MiB in {out} (manifest.json lists sources and licences)")
+
+
+@data_app.command("tokenize")
+def data_tokenize(corpus_dir: Annotated[Path, typer.Option("--corpus")] = CORPUS_DIR,
+                  out: Annotated[Path, typer.Option("--out")] = DATA_DIR):
+    """Train the byte-level BPE tokenizer on the corpus and write train.bin / val.bin (uint16 ids)."""
+    from bench.tiny.tokenizer import prepare
+
+    if not (corpus_dir / "train.jsonl").exists():
+        fail(f"--corpus: {corpus_dir}/train.jsonl is missing; run `bench data corpus` first")
+    out.mkdir(parents=True, exist_ok=True)
+    prepare(corpus_dir, out, log=log)
+
+
+TINY = ("ds-tiny", "ml-tiny")
+
+
+def _tiny(model: str) -> str:
+    if model not in TINY:
+        fail(f"--model: {model!r} is not an embedded model; choose one of {', '.join(TINY)}")
+    return model
+
+
+@model_app.command("train")
+def model_train(model: Annotated[str, typer.Option("--model", help="ds-tiny | ml-tiny")] = "ds-tiny",
+                steps: Annotated[int, typer.Option("--steps", min=1)] = 800,
+                batch_size: Annotated[int, typer.Option("--batch-size", min=1)] = 8,
+                seq_len: Annotated[int, typer.Option("--seq-len", min=16)] = 512,
+                lr: Annotated[float, typer.Option("--lr")] = 2e-3,
+                threads: Annotated[int, typer.Option("--threads", min=1)] = 1,
+                seed: Annotated[int, typer.Option("--seed")] = 1234,
+                out: Annotated[Path | None, typer.Option("--out", help="Training folder (state, log).")] = None,
+                install: Annotated[bool, typer.Option("--install/--no-install",
+                                                      help="Copy the result into models/<name> and write its card.")] = True):
+    """Train (or resume) an embedded model from scratch: corpus → tokenizer → training → card.
+
+    The committed models were made with the defaults, both trained at once, one thread each."""
+    from bench.tiny import corpus, tokenizer
+    from bench.tiny.train import TrainConfig, install as install_run, train
+
+    _tiny(model)
+    if not (CORPUS_DIR / "train.jsonl").exists():
+        corpus.build(CORPUS_DIR, log=log)
+    if not (DATA_DIR / "train.bin").exists():
+        tokenizer.prepare(CORPUS_DIR, DATA_DIR, log=log)
+    cfg = TrainConfig(model=model, steps=steps, batch_size=batch_size, seq_len=seq_len, lr=lr, threads=threads, seed=seed)
+    train_dir = out or TRAIN_DIR / model
+    final = train(cfg, DATA_DIR, train_dir, log=log)
+    if install:
+        dest = install_run(final, registry.EMBEDDED_DIR / model, train_dir, CORPUS_DIR)
+        _eval_and_card(model, dest, limit=64)
+
+
+def _eval_and_card(model: str, folder: Path, limit: int | None) -> dict:
+    from bench.tiny.card import write_card
+
+    result = _evaluate(model, folder, limit, continuations=True)
+    (folder / "eval.json").write_text(json.dumps(result, indent=2) + "\n")
+    write_card(folder, model, f"bench model train --model {model}")
+    log(f"wrote {folder / 'README.md'}")
+    return result
+
+
+def _evaluate(model: str, folder: Path, limit: int | None, continuations: bool) -> dict:
+    import torch
+
+    from bench.tiny import evaluate as ev
+    from bench.tiny.tokenizer import token_data_for
+    from draftexpert.checkpoint import load_target
+
+    target, tok = load_target(folder)
+    try:
+        data_dir = token_data_for(folder, CORPUS_DIR, DATA_DIR, log=log)
+    except FileNotFoundError as e:
+        fail(str(e))
+    torch.manual_seed(0)
+    result = ev.evaluate(target, ev.load_split(data_dir, "val"), ev.load_split(data_dir, "train"), limit=limit)
+    result["model"] = model
+    if continuations:
+        result["continuations"] = ev.continuations(target, tok)
+    return result
+
+
+@model_app.command("eval")
+def model_eval(model: Annotated[str, typer.Option("--model", help="ds-tiny | ml-tiny")] = "ds-tiny",
+               model_path: ModelPathOpt = None,
+               limit: Annotated[int | None, typer.Option("--limit", min=1, help="Validation sequences (512 tokens).")] = 64,
+               card: Annotated[bool, typer.Option("--card", help="Also rewrite the model card from this evaluation.")] = False,
+               as_json: JsonOpt = False):
+    """Validation perplexity vs the unigram baseline, and per-layer expert usage."""
+    _tiny(model)
+    folder = resolve_or_fail(model, model_path)
+    if card:
+        r = _eval_and_card(model, folder, limit)
+    else:
+        r = _evaluate(model, folder, limit, continuations=False)
+    brief = {k: v for k, v in r.items() if k != "usage_share"}
+    text = (f"{model}: validation perplexity {r['perplexity']:.2f} (unigram baseline {r['unigram_perplexity']:.2f}) "
+            f"on {r['tokens']:,} tokens\n" + "\n".join(
+                f"  MoE layer {i + 1}: usage entropy {e:.3f}, max share {m:.2f}x uniform, {u} experts used"
+                for i, (e, m, u) in enumerate(zip(r["usage_entropy"], r["max_share_x_uniform"], r["experts_used"]))))
+    emit(brief, as_json, text)
+
+
 @app.command("reproduce")
 def reproduce_cmd(results_dir: Annotated[Path, typer.Option("--results", help="Where results are written.")] = REPO_ROOT / "results",
                   as_json: JsonOpt = False):

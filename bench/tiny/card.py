@@ -1,0 +1,160 @@
+"""Model card of an embedded tiny model: models/<name>/README.md plus its figures, written only
+from files in the folder (config.json, training_log.jsonl, training_config.json,
+corpus_manifest.json, eval.json) so that every number in the card can be traced to a run."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+from draftexpert.params import breakdown  # noqa: E402
+
+WHY = """\
+## Why these dimensions
+
+Two constraints pull against each other (the paper's regime vs this machine):
+
+- **Expert loading must dominate offloaded decoding** (Fig. 1b). A lean decode step here costs a
+  roughly fixed 1–5 ms per token, and O_DIRECT reads from this machine's storage run at
+  ~1–2.7 GB/s for 0.1–1 MiB reads. With hidden 256 and `moe_intermediate_size` 128 one routed
+  expert is 3·256·128 = 98,304 parameters = **192 KiB in bf16** (54 KiB in Q4_0); a token loads
+  6 experts × 5 MoE layers = 30 experts = **5.6 MiB** (bf16), i.e. ~2–4 ms of storage time, the
+  same order as the compute. `../shared/notes/runtime-calibration.md` measured this shape:
+  loading is 49–64% of a lean compiled step at bf16. Intermediate 256 would double the bytes
+  (58–65%) but also the weights.
+- **Size and training budget.** The committed weights of both models must stay under ~150 MB
+  (bf16): at intermediate 128 each model is {total_m:.1f}M parameters = {mb:.0f} MB in bf16, so both
+  together are {mb2:.0f} MB; intermediate 256 would be ~130 MB each. The shape trains at roughly
+  600 tokens/s per core here, so ~2 CPU-hours buy a few million tokens.
+- **Routed experts dominate the weights**: {routed_pct:.1f}% here (the bar is ≥ 80%; 91.6% in ds),
+  because the embedding and attention are small (vocab 4,096, 8 heads, kv_lora 64).
+"""
+
+
+def _curves(log: list[dict], out: Path) -> Path:
+    fig, ax = plt.subplots(figsize=(6, 3.4))
+    steps = np.array([r["step"] for r in log])
+    ce = np.array([r["ce"] for r in log])
+    k = 20
+    smooth = np.convolve(ce, np.ones(k) / k, mode="valid") if len(ce) >= k else ce
+    ax.plot(steps[len(steps) - len(smooth):], smooth, label=f"train cross-entropy ({k}-step mean)")
+    ev = [r for r in log if "val_loss" in r]
+    ax.plot([r["step"] for r in ev], [r["val_loss"] for r in ev], "o-", label="validation cross-entropy")
+    ax.set_xlabel("step")
+    ax.set_ylabel("nats / token")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=130)
+    plt.close(fig)
+    return out
+
+
+def _usage(share: list[list[float]], out: Path) -> Path:
+    a = np.array(share) * len(share[0])  # × uniform
+    fig, ax = plt.subplots(figsize=(7, 1.2 + 0.35 * len(a)))
+    im = ax.imshow(a, aspect="auto", cmap="viridis", vmin=0, vmax=max(2.0, a.max()))
+    ax.set_xlabel("routed expert")
+    ax.set_ylabel("MoE layer")
+    ax.set_yticks(range(len(a)), [str(i + 1) for i in range(len(a))])
+    fig.colorbar(im, ax=ax, label="load share × uniform")
+    fig.tight_layout()
+    fig.savefig(out, dpi=130)
+    plt.close(fig)
+    return out
+
+
+def training_wall_s(log: list[dict], tcfg: dict) -> float:
+    """Wall seconds of training: the last record's `elapsed_s` when the trainer wrote it, else the
+    sum over logged intervals of tokens / tokens_per_s (which leaves out evaluation time)."""
+    if "elapsed_s" in log[-1]:
+        return log[-1]["elapsed_s"]
+    total, prev = 0.0, 0
+    for r in log:
+        if "tokens_per_s" in r:
+            total += (r["step"] - prev) * tcfg["batch_size"] * tcfg["seq_len"] / r["tokens_per_s"]
+            prev = r["step"]
+    return total
+
+
+def write_card(folder: Path, name: str, reproduce_cmd: str) -> Path:
+    cfg = json.loads((folder / "config.json").read_text())
+    log = [json.loads(line) for line in (folder / "training_log.jsonl").read_text().splitlines() if line.strip()]
+    tcfg = json.loads((folder / "training_config.json").read_text())
+    ev = json.loads((folder / "eval.json").read_text())
+    corpus = json.loads((folder / "corpus_manifest.json").read_text())
+    b = breakdown(cfg).summary()
+    curves = _curves(log, folder / "loss_curve.png")
+    usage = _usage(ev["usage_share"], folder / "expert_usage.png")
+    wall_s = training_wall_s(log, tcfg)
+    v3 = cfg["model_type"] == "deepseek_v3"
+    routing = ("sigmoid scores + `e_score_correction_bias` choose the top-6 (`noaux_tc`, one group); weights = "
+               f"un-biased sigmoid scores, normalised, × {cfg['routed_scaling_factor']} (Moonlight's routing)"
+               if v3 else "softmax over 64 experts, greedy top-6, no renormalisation, scale "
+               f"{cfg['routed_scaling_factor']} (DeepSeek-V2-Lite's routing)")
+    balance = ("DeepSeek-V3 auxiliary-loss-free balancing: after each step b_i ← b_i + u·sign(mean load − load_i), "
+               f"u = {tcfg['bias_update_speed']}, plus V3's sequence-wise balance loss α = {tcfg['seq_balance_alpha']}"
+               if v3 else f"DeepSeek-V2 expert-level balance loss α·Σ_i f_i P_i per MoE layer, α = {tcfg['balance_alpha']}")
+    tokens_seen = log[-1]["tokens_seen"]
+    lines = [
+        f"# {name}", "",
+        f"An embedded MoE target of the DraftExpert suite: transformers' `{cfg['architectures'][0]}`, with the routing "
+        f"structure of {'Moonlight-16B-A3B' if v3 else 'DeepSeek-V2-Lite'} at small dimensions, trained by this project "
+        "on an offline corpus. Weights: `model.safetensors` (bf16). Load with "
+        f"`AutoModelForCausalLM.from_pretrained('models/{name}')` (no network) or through `bench --model {name}`.", "",
+        f"Reproduce: `{reproduce_cmd}`.", "",
+        "## Shape", "",
+        "| | |", "|---|---|",
+        f"| layers | {cfg['num_hidden_layers']} (first {cfg['first_k_dense_replace']} dense, intermediate {cfg['intermediate_size']}) |",
+        f"| hidden | {cfg['hidden_size']} |",
+        f"| routed experts | {cfg['n_routed_experts']} per MoE layer, top-{cfg['num_experts_per_tok']}, intermediate {cfg['moe_intermediate_size']} |",
+        f"| shared experts | {cfg['n_shared_experts']} |",
+        f"| routing | {routing} |",
+        f"| attention | MLA, {cfg['num_attention_heads']} heads, q_lora_rank {cfg['q_lora_rank']}, kv_lora_rank {cfg['kv_lora_rank']}, "
+        f"qk_nope {cfg['qk_nope_head_dim']} / qk_rope {cfg['qk_rope_head_dim']} / v {cfg['v_head_dim']} |",
+        f"| vocabulary | {cfg['vocab_size']} (byte-level BPE trained on the corpus; chat template `User: … / Assistant: …`) |",
+        "",
+        "## Parameters (`bench params --model " + name + "`)", "",
+        f"- total {b['total'] / 1e6:.2f}M; routed experts {b['routed_experts'] / 1e6:.2f}M = **{100 * b['routed_share']:.1f}%**;"
+        f" non-routed {b['non_routed'] / 1e6:.2f}M",
+        f"- one routed expert: {b['routed_expert_params_each']:,} parameters = {b['routed_expert_mib_bf16'] * 1024:.0f} KiB bf16,"
+        f" {b['routed_expert_mib_q4_0'] * 1024:.0f} KiB Q4_0; per decoded token (6 × {b['n_routed_experts_total'] // cfg['n_routed_experts']}"
+        f" MoE layers) {6 * b['n_routed_experts_total'] // cfg['n_routed_experts'] * b['routed_expert_mib_bf16']:.1f} MiB bf16",
+        "",
+        WHY.format(total_m=b["total"] / 1e6, mb=2 * b["total"] / 1e6, mb2=4 * b["total"] / 1e6,
+                   routed_pct=100 * b["routed_share"]),
+        "## Training", "",
+        f"- corpus: {sum(s['train_bytes'] for s in corpus['sources']) / 2**20:.1f} MiB of offline prose and code "
+        f"({', '.join(s['name'] for s in corpus['sources'])}); documents sharing a {corpus['ngram']}-word sequence with any "
+        "evaluation prompt dropped (see `corpus_manifest.json`)",
+        f"- {tcfg['steps']} steps × {tcfg['batch_size']} × {tcfg['seq_len']} tokens = **{tokens_seen / 1e6:.2f}M tokens seen**;"
+        f" AdamW lr {tcfg['lr']} (warm-up {tcfg['warmup']}, cosine to {tcfg['min_lr_ratio']}×), weight decay "
+        f"{tcfg['weight_decay']}, bf16 autocast, seed {tcfg['seed']}, {tcfg['threads']} CPU thread(s)"
+        + (f", wall time {wall_s / 60:.0f} min" if wall_s else ""),
+        f"- load balancing: {balance}", "",
+        "![loss curve](loss_curve.png)", "",
+        f"## Evaluation (`bench model eval --model {name} --limit {ev['sequences']}`)", "",
+        f"On {ev['sequences']} validation sequences of {ev['seq_len']} tokens ({ev['tokens']:,} tokens):", "",
+        f"- validation perplexity **{ev['perplexity']:.1f}** vs the unigram baseline of the same tokenizer **{ev['unigram_perplexity']:.1f}**",
+        "- expert usage per MoE layer (normalised entropy; max and min load share × uniform; experts used of "
+        f"{cfg['n_routed_experts']}):", "",
+        "| MoE layer | entropy | max × uniform | min × uniform | experts used |", "|---|---|---|---|---|",
+        *[f"| {i + 1} | {e:.3f} | {mx:.2f} | {mn:.2f} | {u} |" for i, (e, mx, mn, u) in enumerate(
+            zip(ev["usage_entropy"], ev["max_share_x_uniform"], ev["min_share_x_uniform"], ev["experts_used"]))],
+        "", "![expert usage](expert_usage.png)", "",
+        "## Greedy continuations", "",
+    ]
+    for c in ev.get("continuations", []):
+        lines += [f"**{c['kind']}** — prompt: `{c['prompt'].strip()[:80]}`", "", "```", c["continuation"].strip(), "```", ""]
+    lines += ["## Licence and credits", "",
+              "Weights trained by the DraftExpert suite; training text from the packages listed in "
+              "`corpus_manifest.json` under their own licences (PSF, BSD, GPL-2.0 documentation, PostgreSQL, "
+              "Artistic/GPL, public domain)."]
+    out = folder / "README.md"
+    out.write_text("\n".join(lines) + "\n")
+    return out

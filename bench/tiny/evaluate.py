@@ -1,0 +1,104 @@
+"""Evaluation of a tiny target on the corpus's validation split: perplexity against the unigram
+baseline of the same tokenizer, per-layer expert usage, and greedy continuations.
+
+  perplexity          = exp(mean next-token cross-entropy over the evaluated tokens)
+  unigram perplexity  = exp(−mean log p_uni(token)), p_uni = (count_train(t) + 1) / (N_train + V)
+                        (add-one smoothing; counts from train.bin, evaluated on the same tokens)
+  usage share_{l,i}   = tokens routed to expert i in layer l / (tokens · top-k)
+  usage entropy_l     = −Σ_i share_{l,i} log share_{l,i} / log E      (1 = perfectly even)
+  max share × uniform = max_i share_{l,i} · E                         (1 = even; the bar is ≤ 3)
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+
+def windows(data: np.ndarray, seq_len: int, limit: int | None) -> list[np.ndarray]:
+    """Consecutive non-overlapping windows of seq_len + 1 tokens from the start of the split."""
+    n = (len(data) - 1) // seq_len
+    n = min(n, limit) if limit else n
+    return [np.asarray(data[i * seq_len: i * seq_len + seq_len + 1], dtype=np.int64) for i in range(n)]
+
+
+def unigram_logprobs(train: np.ndarray, vocab: int) -> np.ndarray:
+    counts = np.bincount(np.asarray(train, dtype=np.int64), minlength=vocab).astype(np.float64)
+    return np.log((counts + 1) / (counts.sum() + vocab))
+
+
+@torch.inference_mode()
+def evaluate(model, val: np.ndarray, train: np.ndarray, seq_len: int = 512, limit: int | None = None,
+             batch: int = 4) -> dict:
+    cfg = model.config
+    n_experts = cfg.n_routed_experts
+    taps: list[torch.Tensor] = []
+    routers = [layer.mlp.gate for layer in model.model.layers if hasattr(layer.mlp, "gate")]
+    handles = [r.register_forward_hook(lambda m, i, o: taps.append(o[2])) for r in routers]
+    uni = unigram_logprobs(train, cfg.vocab_size)
+    nll = uni_nll = 0.0
+    n_tok = 0
+    usage = torch.zeros(len(routers), n_experts, dtype=torch.float64)
+    try:
+        ws = windows(val, seq_len, limit)
+        for i in range(0, len(ws), batch):
+            x = torch.from_numpy(np.stack(ws[i:i + batch]))
+            logits = model(input_ids=x[:, :-1]).logits.float()
+            nll += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1), reduction="sum").item()
+            uni_nll -= float(uni[x[:, 1:].numpy()].sum())
+            n_tok += x[:, 1:].numel()
+            for layer, idx in enumerate(taps):
+                usage[layer] += torch.bincount(idx.reshape(-1), minlength=n_experts).double()
+            taps.clear()
+    finally:
+        for h in handles:
+            h.remove()
+    share = usage / usage.sum(1, keepdim=True)
+    entropy = -(share * share.clamp_min(1e-12).log()).sum(1) / math.log(n_experts)
+    return {
+        "sequences": len(ws), "seq_len": seq_len, "tokens": n_tok,
+        "perplexity": math.exp(nll / n_tok), "unigram_perplexity": math.exp(uni_nll / n_tok),
+        "usage_entropy": entropy.tolist(), "max_share_x_uniform": (share.max(1).values * n_experts).tolist(),
+        "min_share_x_uniform": (share.min(1).values * n_experts).tolist(),
+        "experts_used": (usage > 0).sum(1).tolist(), "usage_share": share.tolist(),
+    }
+
+
+CONTINUATION_PROMPTS = [
+    ("chat", "chat", "What is a Python decorator?"),
+    ("chat", "chat", "How do I create a table in PostgreSQL?"),
+    ("code", "raw", "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"),
+    ("code", "raw", "import os\n\n\ndef list_files(path):\n"),
+    ("prose", "raw", "The kernel scheduler decides"),
+    ("prose", "raw", "To be, or not to be,"),
+]
+
+
+@torch.inference_mode()
+def continuations(model, tokenizer, max_new_tokens: int = 48) -> list[dict]:
+    """Greedy continuations of chat (through the chat template), code and prose prompts."""
+    from draftexpert.reference import ReferenceDecoder
+
+    dec = ReferenceDecoder(model)
+    out = []
+    for kind, how, text in CONTINUATION_PROMPTS:
+        if how == "chat":
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                tokenize=True)
+            ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        else:
+            ids = [tokenizer.bos_token_id, *tokenizer(text, add_special_tokens=False)["input_ids"]]
+        toks = dec.generate(ids, max_new_tokens, tokenizer.eos_token_id).tokens
+        out.append({"kind": kind, "prompt": text, "continuation": tokenizer.decode(toks, skip_special_tokens=True),
+                    "distinct_tokens": len(set(toks)), "tokens": len(toks)})
+    return out
+
+
+def load_split(data_dir: Path, split: str) -> np.ndarray:
+    path = data_dir / f"{split}.bin"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing: run `bench data corpus` then `bench data tokenize`")
+    return np.memmap(path, dtype=np.uint16, mode="r")

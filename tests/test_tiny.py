@@ -1,0 +1,171 @@
+"""Embedded tiny models: tokenizer, balancing, resumable training, corpus decontamination, and
+(when committed) the trained folders themselves."""
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from transformers import DeepseekV3Config
+
+from bench import prompts, registry
+from bench.tiny import corpus
+from bench.tiny.tokenizer import CHAT_TEMPLATE, train_tokenizer
+from bench.tiny.train import TrainConfig, balance_loss, train
+
+MODELS = registry.EMBEDDED_DIR
+
+
+def test_tokenizer_round_trip_and_chat_template(tmp_path):
+    texts = ["def add(a, b):\n    return a + b\n", "The quick brown fox jumps over the lazy dog."] * 50
+    tok = train_tokenizer(iter(texts), tmp_path, vocab_size=400)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tmp_path)
+    for s in ["def add(a, b):\n    return a + b\n", "naïve café — ünïcödé ✓ 12345", "  leading spaces\ttabs\n\n"]:
+        assert tok.decode(tok(s, add_special_tokens=False)["input_ids"]) == s
+    text = tok.apply_chat_template([{"role": "user", "content": "Hi there"}], add_generation_prompt=True, tokenize=False)
+    assert text == "<|bos|>User: Hi there\n\nAssistant:"
+    two = tok.apply_chat_template([{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}], tokenize=False)
+    assert two == "<|bos|>User: Q\n\nAssistant: A<|eos|>"
+    assert tok.chat_template == CHAT_TEMPLATE and tok.model_max_length == 2048
+
+
+def test_v2_balance_loss_is_minimal_when_balanced():
+    # f_i P_i summed: uniform routing gives exactly 1; collapsing onto experts raises it
+    E, K, T = 8, 2, 64
+    idx = torch.arange(T * K).view(T, K) % E  # every expert chosen T*K/E times
+    logits = torch.zeros(T, E)  # uniform scores
+    assert balance_loss(logits, idx, E, K, "softmax").item() == pytest.approx(1.0)
+    collapsed = torch.zeros(T, K, dtype=torch.long)
+    collapsed[:, 1] = 1
+    skewed = torch.zeros(T, E)
+    skewed[:, :2] = 5.0
+    assert balance_loss(skewed, collapsed, E, K, "softmax").item() > 3.0
+
+
+def _tiny_data(tmp_path: Path, vocab: int) -> Path:
+    rng = np.random.default_rng(0)
+    base = rng.integers(3, vocab, size=64)
+    data = np.tile(base, 200).astype(np.uint16)  # a repeating sequence: learnable
+    data.tofile(tmp_path / "train.bin")
+    data[:5000].tofile(tmp_path / "val.bin")
+    train_tokenizer(iter(["tiny text"] * 10), tmp_path / "tokenizer", vocab_size=300)  # the trainer ships it
+    return tmp_path
+
+
+def _v3_small() -> DeepseekV3Config:
+    return DeepseekV3Config(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                            num_hidden_layers=2, first_k_dense_replace=1, num_attention_heads=2, num_key_value_heads=2,
+                            n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=1, topk_group=1,
+                            q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
+                            norm_topk_prob=True, routed_scaling_factor=2.5)
+
+
+def test_training_resumes_exactly_and_updates_v3_bias(tmp_path):
+    data = _tiny_data(tmp_path, 64)
+    cfg = TrainConfig(model="ml-tiny", steps=6, batch_size=2, seq_len=32, warmup=2, ckpt_every=3, eval_every=3,
+                      eval_batches=1, bf16=False, threads=1)
+    straight = train(cfg, data, tmp_path / "a", log=lambda m: None, model_config=_v3_small())
+    # same run, "killed" after the step-3 checkpoint: keep state.pt from a 3-step run with the same schedule
+    part = tmp_path / "b"
+    import dataclasses
+
+    import bench.tiny.train as tr
+
+    class Stop(Exception):
+        pass
+
+    orig = tr._atomic_save
+
+    def save_then_stop(obj, path):
+        orig(obj, path)
+        if obj["step"] == 3:
+            raise Stop
+
+    tr._atomic_save = save_then_stop
+    try:
+        with pytest.raises(Stop):
+            train(dataclasses.replace(cfg), data, part, log=lambda m: None, model_config=_v3_small())
+    finally:
+        tr._atomic_save = orig
+    resumed = train(cfg, data, part, log=lambda m: None, model_config=_v3_small())
+    from safetensors.torch import load_file
+
+    a, b = load_file(straight / "model.safetensors"), load_file(resumed / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    bias = a["model.layers.1.mlp.gate.e_score_correction_bias"]
+    assert bias.abs().sum() > 0  # the aux-loss-free balancing moved it
+    conf = json.loads((straight / "config.json").read_text())
+    assert conf["scoring_func"] == "sigmoid" and conf["topk_method"] == "noaux_tc"
+    steps = [json.loads(line)["step"] for line in (part / "log.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 7))  # the resumed log has each step once
+
+
+def test_decontamination_drops_documents_quoting_eval_prompts():
+    grams = set()
+    recs = prompts.load("gsm8k", limit=3)
+    for r in recs:
+        grams |= corpus.ngrams(r["prompt"])
+    quoted = "Some preface text. " + recs[1]["prompt"] + " And a tail."
+    assert corpus.overlaps(quoted, grams)
+    words = recs[1]["prompt"].split()
+    assert not corpus.overlaps(" ".join(words[: corpus.NGRAM - 1]), grams)  # 12 words are not a hit
+    assert not corpus.overlaps("An unrelated paragraph about the kernel scheduler and its run queues " * 3, grams)
+
+
+CORPUS = Path(__file__).resolve().parents[1] / "work" / "corpus"
+
+
+@pytest.mark.skipif(not (CORPUS / "train.jsonl").exists(), reason="corpus not built here (bench data corpus)")
+def test_built_corpus_shares_no_13_gram_with_any_eval_prompt():
+    grams = corpus.eval_ngrams(offline=True)
+    for split in ("train", "val"):
+        for doc in corpus.read(CORPUS, split):
+            assert not corpus.overlaps(doc["text"], grams), (split, doc["source"], doc["path"])
+
+
+EMBEDDED = [n for n in ("ds-tiny", "ml-tiny") if (MODELS / n / "model.safetensors").exists()]
+
+
+@pytest.mark.parametrize("name", EMBEDDED)
+def test_committed_model_loads_offline_with_the_spec_routing(name, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = registry.resolve(name)
+    assert folder == MODELS / name
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    tok = AutoTokenizer.from_pretrained(folder)
+    layers = model.model.layers
+    assert not hasattr(layers[0].mlp, "gate")  # first layer dense
+    for layer in layers[1:]:
+        moe = layer.mlp
+        assert moe.experts.gate_up_proj.shape[0] == 64  # routed experts
+        assert moe.gate.top_k == 6
+        assert moe.shared_experts.gate_proj.out_features == 2 * model.config.moe_intermediate_size  # 2 shared
+    assert model.config.q_lora_rank is None
+    conf = json.loads((folder / "config.json").read_text())
+    if name == "ml-tiny":
+        assert type(model).__name__ == "DeepseekV3ForCausalLM" and conf["scoring_func"] == "sigmoid"
+        assert model.config.norm_topk_prob and model.config.routed_scaling_factor == pytest.approx(2.446)
+        assert layers[1].mlp.gate.e_score_correction_bias.abs().sum() > 0
+    else:
+        assert type(model).__name__ == "DeepseekV2ForCausalLM" and model.config.topk_method == "greedy"
+        assert not model.config.norm_topk_prob
+    ids = tok.apply_chat_template([{"role": "user", "content": "What is a list?"}], add_generation_prompt=True)
+    ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+    out = model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)
+    assert out.shape[1] == len(ids) + 8 or tok.eos_token_id in out[0, len(ids):].tolist()
+
+
+@pytest.mark.parametrize("name", EMBEDDED)
+def test_committed_model_card_reports_the_bar(name):
+    ev = json.loads((MODELS / name / "eval.json").read_text())
+    assert ev["perplexity"] < 0.5 * ev["unigram_perplexity"]
+    assert all(u == 64 for u in ev["experts_used"])
+    assert min(ev["usage_entropy"]) >= 0.9 and max(ev["max_share_x_uniform"]) <= 3.0
+    for c in ev["continuations"]:
+        assert c["distinct_tokens"] > 3  # not one token repeated
+    assert math.isfinite(ev["perplexity"])
