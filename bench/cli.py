@@ -209,6 +209,8 @@ def run(model: Annotated[str, typer.Option("--model", help="ds | ml | ds-tiny | 
         limit: Annotated[int | None, typer.Option("--limit", min=1, help="First N prompts of each suite.")] = None,
         max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", min=1)] = 64,
         threads: Annotated[int | None, typer.Option("--threads", min=1, help="torch CPU threads.")] = None,
+        from_hub: Annotated[bool, typer.Option("--from-hub", help="Load the suites from the Hugging Face hub with "
+                                               "`datasets` (online users) instead of the committed subsets.")] = False,
         out: Annotated[Path | None, typer.Option("--out", help="Run folder (records.jsonl + manifest.json).")] = None,
         as_json: JsonOpt = False):
     """Decode the prompt suites with one method; one record per prompt, resumable.
@@ -233,7 +235,14 @@ def run(model: Annotated[str, typer.Option("--model", help="ds | ml | ds-tiny | 
     folder = resolve_or_fail(model, model_path)
     if threads:
         torch.set_num_threads(threads)
-    recs = [p for s in (suite or list(prompts.SUITES)) for p in prompts.load(s, limit)]
+    load = prompts.hub_loader if from_hub else prompts.load
+    try:
+        recs = [p for s in (suite or list(prompts.SUITES)) for p in load(s, limit)]
+    except Exception as e:  # noqa: BLE001 - datasets missing, offline, or the hub refused
+        if not from_hub:
+            raise
+        fail(f"--from-hub: could not load from the Hugging Face hub ({type(e).__name__}: {e}); it needs the "
+             "`datasets` package and network access — the committed suites need neither")
     target, tokenizer = load_target(folder)
     cfg = CellConfig(model=model, method=method, max_new_tokens=max_new_tokens)
     run_dir = out or (REPO_ROOT / "runs" / f"{model}-{method}")

@@ -180,16 +180,23 @@ def load(category: str | None = None, limit: int | None = None, prompts_dir: Pat
     return out
 
 
+HUB_FORMAT: dict[str, Callable[[dict], str]] = {
+    "chat": lambda r: r["prompt"][0] if isinstance(r["prompt"], list) else r["prompt"],
+    "gsm8k": lambda r: r["question"],
+    "mbpp": lambda r: f"{r['text']}\nYour code should pass these tests:\n\n" + "\n".join(r["test_list"]),
+    "summarization": lambda r: "Summarize the following article in one sentence.\n\n" + " ".join(r["document"].split()),
+    "ifeval": lambda r: r["prompt"],
+    "humaneval": lambda r: f"Complete the following Python function.\n\n{r['prompt']}",
+}
+
+
 def hub_loader(category: str, limit: int | None = None) -> list[dict]:
     """Online alternative: the same suite from the Hugging Face hub with `datasets` (not installed
-    by default; needs network). Records have the committed files' schema."""
+    by default; needs network), formatted as the committed files are, first `limit` rows."""
     import datasets  # noqa: PLC0415 - optional dependency
 
     name, config, split = SUITES[category].hub
     ds = datasets.load_dataset(name, config, split=split)
-    field = {"chat": "prompt", "gsm8k": "question", "mbpp": "text", "summarization": "document",
-             "ifeval": "prompt", "humaneval": "prompt"}[category]
     rows = ds.select(range(min(limit or len(ds), len(ds))))
     return [{"id": f"{category}-hub-{i:04d}", "category": category, "source": f"hf:{name}",
-             "source_id": str(i), "prompt": r[field] if isinstance(r[field], str) else r[field][0]}
-            for i, r in enumerate(rows)]
+             "source_id": str(i), "prompt": HUB_FORMAT[category](r)} for i, r in enumerate(rows)]

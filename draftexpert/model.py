@@ -1,0 +1,263 @@
+"""A lean, decode-oriented forward for DeepseekV2 / DeepseekV3 checkpoints (batch 1).
+
+Shapes: T = tokens in this forward (1 when decoding, the block length when verifying, the
+prompt length when prefilling), H = hidden, n_h heads, r_kv = kv_lora_rank, d_n / d_r / d_v =
+qk_nope / qk_rope / v head dims, E routed experts, I = moe_intermediate_size.
+
+- **Absorbed MLA** (DeepSeek's inference form): the cache holds the compressed latent
+  c_kv [L, r_kv] and the shared rope key k_pe [L, d_r]; kv_b_proj is folded into the query
+  (q_nope · W_uk → [T, n_h, r_kv]) and the output (· W_uvᵀ), so nothing is re-expanded per step.
+- **KV cache** preallocated to `max_len`, cropped back by setting its length (speculation).
+- **One routing function** (`route`) for every path and any r: V2 softmax / greedy top-r, times
+  the scaling factor, no renormalisation; V3 sigmoid scores + correction bias choose, the
+  un-biased scores weigh, normalised over the chosen r when `norm_topk_prob`, times the scale.
+- **Routed experts come from an `ExpertSource`**: the model never knows where they live. Only
+  the unique experts a forward needs are asked for, and each runs once on all its tokens
+  (a loop over unique experts, never over tokens). Shared experts are resident.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab: int
+    hidden: int
+    layers: int
+    first_dense: int
+    heads: int
+    d_nope: int
+    d_rope: int
+    d_v: int
+    r_q: int | None
+    r_kv: int
+    n_experts: int
+    n_shared: int
+    top_k: int
+    moe_inter: int
+    v3: bool  # sigmoid + correction bias (noaux_tc); else softmax (greedy)
+    norm_topk: bool
+    scale: float  # routed_scaling_factor
+    n_group: int
+    topk_group: int
+    eps: float
+
+    @classmethod
+    def from_hf(cls, c) -> ModelConfig:
+        v3 = c.model_type == "deepseek_v3"
+        if not v3 and getattr(c, "topk_method", "greedy") != "greedy":
+            raise ValueError(f"routing {c.topk_method!r} is not supported (DeepSeek-V2-Lite uses 'greedy')")
+        return cls(vocab=c.vocab_size, hidden=c.hidden_size, layers=c.num_hidden_layers,
+                   first_dense=c.first_k_dense_replace, heads=c.num_attention_heads, d_nope=c.qk_nope_head_dim,
+                   d_rope=c.qk_rope_head_dim, d_v=c.v_head_dim, r_q=c.q_lora_rank, r_kv=c.kv_lora_rank,
+                   n_experts=c.n_routed_experts, n_shared=c.n_shared_experts, top_k=c.num_experts_per_tok,
+                   moe_inter=c.moe_intermediate_size, v3=v3, norm_topk=bool(getattr(c, "norm_topk_prob", False)) and v3,
+                   scale=float(c.routed_scaling_factor), n_group=c.n_group or 1, topk_group=c.topk_group or 1,
+                   eps=c.rms_norm_eps)
+
+    def is_moe(self, layer: int) -> bool:
+        return layer >= self.first_dense
+
+
+def route(logits: torch.Tensor, cfg: ModelConfig, r: int, bias: torch.Tensor | None = None):
+    """Router logits [T, E] (fp32) → (weights [T, r], experts [T, r]).
+
+    V2 (softmax, greedy): s = softmax(logits); experts = top-r of s; w = s[experts] · scale.
+    V3 (sigmoid, noaux_tc): s = sigmoid(logits); experts = top-r of s + bias within the best
+    `topk_group` of `n_group` groups (group score = sum of its top-2); w = s[experts],
+    normalised over the r chosen when norm_topk_prob, · scale."""
+    if not cfg.v3:
+        s = logits.softmax(-1)
+        w, idx = torch.topk(s, r, dim=-1)
+        return w * cfg.scale, idx
+    s = logits.sigmoid()
+    choice = s + bias if bias is not None else s
+    if cfg.n_group > 1:
+        g = choice.view(-1, cfg.n_group, cfg.n_experts // cfg.n_group)
+        best = g.topk(2, dim=-1)[0].sum(-1).topk(cfg.topk_group, dim=-1)[1]
+        mask = torch.zeros_like(g[..., 0]).scatter_(1, best, 1.0).bool()
+        choice = g.masked_fill(~mask[..., None], 0.0).view_as(choice)
+    idx = torch.topk(choice, r, dim=-1)[1]
+    w = s.gather(-1, idx)
+    if cfg.norm_topk:
+        w = w / (w.sum(-1, keepdim=True) + 1e-20)
+    return w * cfg.scale, idx
+
+
+class ExpertSource(Protocol):
+    """Where routed experts come from. `fetch` returns, for each requested expert of `layer`,
+    (gate_up [2I, H], down [H, I]) ready on the compute device, loading what is missing."""
+
+    def fetch(self, layer: int, experts: list[int], phase: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        ...
+
+
+class ResidentExperts:
+    """Every routed expert already in memory (the paper's resident reference)."""
+
+    def __init__(self, gate_up: dict[int, torch.Tensor], down: dict[int, torch.Tensor]):
+        self.gate_up, self.down = gate_up, down  # layer → [E, 2I, H], [E, H, I]
+
+    def fetch(self, layer, experts, phase):
+        gu, dn = self.gate_up[layer], self.down[layer]
+        return [(gu[e], dn[e]) for e in experts]
+
+
+class KVCache:
+    """Compressed MLA cache: per layer c_kv [max_len, r_kv] and k_pe [max_len, d_r]."""
+
+    def __init__(self, cfg: ModelConfig, max_len: int, device=None, dtype=torch.float32):
+        self.c_kv = torch.zeros(cfg.layers, max_len, cfg.r_kv, device=device, dtype=dtype)
+        self.k_pe = torch.zeros(cfg.layers, max_len, cfg.d_rope, device=device, dtype=dtype)
+        self.length = 0
+        self.max_len = max_len
+
+    def crop(self, length: int) -> None:
+        """Forget every position ≥ length (rejected draft tokens)."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot crop a cache of length {self.length} to {length}")
+        self.length = length
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate interleaved pairs (x[2i], x[2i+1]) by angle θ_i; x [..., T, (n,) d_r], cos/sin [T, d_r/2].
+    The output keeps the pairs' halves apart ([x', x'']) — the same layout for q and k, so
+    q·k is that of transformers' V2 (complex pairs) and V3 (interleave) formulations."""
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+class MoEModel:
+    """Lean forward over the weights of a DeepseekV2/V3 checkpoint.
+
+    `forward(ids [T], cache)` appends T positions to `cache` and returns logits [T, V].
+    `route_r` (default top_k) is how many routed experts each token uses: the target uses
+    top_k; shared+top-r drafters use r. Router taps: after each forward, `self.last_routing`
+    holds the chosen experts [T, top_k] of every MoE layer (layer → tensor)."""
+
+    def __init__(self, hf_config, weights: dict[str, torch.Tensor], experts: ExpertSource):
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+        from transformers.models.deepseek_v2.modeling_deepseek_v2 import yarn_apply_mscale
+
+        self.cfg = c = ModelConfig.from_hf(hf_config)
+        self.experts = experts
+        w = weights
+        self.embed = w["model.embed_tokens.weight"]
+        self.norm = w["model.norm.weight"]
+        self.lm_head = w.get("lm_head.weight", self.embed)
+        rope_type = hf_config.rope_parameters.get("rope_type", "default")
+        if rope_type == "default":
+            base, dim = hf_config.rope_parameters["rope_theta"], c.d_rope
+            self.inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+            self.rope_scale = 1.0
+        else:
+            self.inv_freq, self.rope_scale = ROPE_INIT_FUNCTIONS[rope_type](hf_config)
+        self.softmax_scale = yarn_apply_mscale(hf_config.rope_parameters, (c.d_nope + c.d_rope) ** -0.5)
+        self.layers = []
+        for i in range(c.layers):
+            p = f"model.layers.{i}."
+            kv_b = w[p + "self_attn.kv_b_proj.weight"].view(c.heads, c.d_nope + c.d_v, c.r_kv)
+            lay = {
+                "ln1": w[p + "input_layernorm.weight"], "ln2": w[p + "post_attention_layernorm.weight"],
+                "kv_a": w[p + "self_attn.kv_a_proj_with_mqa.weight"], "kv_ln": w[p + "self_attn.kv_a_layernorm.weight"],
+                "w_uk": kv_b[:, :c.d_nope].contiguous(),  # [n_h, d_n, r_kv]
+                "w_uv": kv_b[:, c.d_nope:].contiguous(),  # [n_h, d_v, r_kv]
+                "o": w[p + "self_attn.o_proj.weight"],
+            }
+            if c.r_q:
+                lay.update(q_a=w[p + "self_attn.q_a_proj.weight"], q_ln=w[p + "self_attn.q_a_layernorm.weight"],
+                           q_b=w[p + "self_attn.q_b_proj.weight"])
+            else:
+                lay["q"] = w[p + "self_attn.q_proj.weight"]
+            if c.is_moe(i):
+                lay["gate"] = w[p + "mlp.gate.weight"].float()
+                lay["bias"] = w.get(p + "mlp.gate.e_score_correction_bias")
+                sh = [w[p + f"mlp.shared_experts.{n}_proj.weight"] for n in ("gate", "up", "down")]
+                lay["shared_gate_up"] = torch.cat(sh[:2], 0)  # [2·n_s·I, H]
+                lay["shared_down"] = sh[2]
+            else:
+                d = [w[p + f"mlp.{n}_proj.weight"] for n in ("gate", "up", "down")]
+                lay["dense_gate_up"] = torch.cat(d[:2], 0)
+                lay["dense_down"] = d[2]
+            self.layers.append(lay)
+        self.last_routing: dict[int, torch.Tensor] = {}
+
+    # -- blocks ---------------------------------------------------------------------------
+
+    def attention(self, i: int, x: torch.Tensor, cache: KVCache, cos, sin) -> torch.Tensor:
+        """x [T, H] → [T, H]; writes positions [cache.length, cache.length + T) of layer i."""
+        c, L = self.cfg, self.layers[i]
+        T, start = x.shape[0], cache.length
+        q = rms_norm(x @ L["q_a"].T, L["q_ln"], c.eps) @ L["q_b"].T if c.r_q else x @ L["q"].T
+        q = q.view(T, c.heads, c.d_nope + c.d_rope)
+        q_nope, q_pe = q[..., :c.d_nope], rope(q[..., c.d_nope:], cos[:, None], sin[:, None])
+        kv = x @ L["kv_a"].T  # [T, r_kv + d_r]
+        cache.c_kv[i, start:start + T] = rms_norm(kv[:, :c.r_kv], L["kv_ln"], c.eps)
+        cache.k_pe[i, start:start + T] = rope(kv[:, c.r_kv:], cos, sin)
+        ckv, kpe = cache.c_kv[i, :start + T], cache.k_pe[i, :start + T]  # [S, r_kv], [S, d_r]
+        q_c = torch.einsum("thd,hdr->htr", q_nope, L["w_uk"])  # absorbed: [n_h, T, r_kv]
+        scores = (q_c @ ckv.T + (q_pe.transpose(0, 1) @ kpe.T)) * self.softmax_scale  # [n_h, T, S]
+        if T > 1:  # causal within the new block; every cached position is visible
+            mask = torch.ones(T, start + T, dtype=torch.bool).triu(start + 1)
+            scores = scores.masked_fill(mask, float("-inf"))
+        out_c = scores.softmax(-1) @ ckv  # [n_h, T, r_kv]
+        out = torch.einsum("htr,hvr->thv", out_c, L["w_uv"]).reshape(T, c.heads * c.d_v)
+        return out @ L["o"].T
+
+    @staticmethod
+    def mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+        g, u = (x @ gate_up.T).chunk(2, dim=-1)
+        return (F.silu(g) * u) @ down.T
+
+    def moe(self, i: int, x: torch.Tensor, r: int, phase: str) -> torch.Tensor:
+        """x [T, H] → shared(x) + Σ_k w_k · expert_k(x) over each token's top-r experts."""
+        L = self.layers[i]
+        w, idx = route(x.float() @ L["gate"].T, self.cfg, r, L["bias"])  # [T, r]
+        self.last_routing[i] = idx
+        out = self.mlp(x, L["shared_gate_up"], L["shared_down"])
+        unique = torch.unique(idx).tolist()
+        for e, (gu, dn) in zip(unique, self.experts.fetch(i, unique, phase)):
+            tok, slot = (idx == e).nonzero(as_tuple=True)  # the tokens that chose e
+            out.index_add_(0, tok, self.mlp(x[tok], gu, dn) * w[tok, slot, None].to(x.dtype))
+        return out
+
+    # -- forward --------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor, cache: KVCache, r: int | None = None, phase: str = "ar") -> torch.Tensor:
+        """ids [T] → logits [T, V]; appends T positions to the cache."""
+        c = self.cfg
+        T = ids.shape[0]
+        if cache.length + T > cache.max_len:
+            raise ValueError(f"KV cache full: {cache.length} + {T} > {cache.max_len}")
+        pos = torch.arange(cache.length, cache.length + T, dtype=torch.float32)
+        ang = pos[:, None] * self.inv_freq[None]
+        cos, sin = ang.cos() * self.rope_scale, ang.sin() * self.rope_scale  # [T, d_r/2]
+        x = self.embed[ids]
+        for i, L in enumerate(self.layers):
+            x = x + self.attention(i, rms_norm(x, L["ln1"], c.eps), cache, cos, sin)
+            h = rms_norm(x, L["ln2"], c.eps)
+            x = x + (self.moe(i, h, r or c.top_k, phase) if c.is_moe(i) else
+                     self.mlp(h, L["dense_gate_up"], L["dense_down"]))
+        cache.length += T
+        return rms_norm(x, self.norm, c.eps) @ self.lm_head.T
+
+
+def from_hf_model(model) -> MoEModel:
+    """A lean model sharing the weights of a loaded transformers DeepseekV2/V3 model, experts resident."""
+    sd = {k: v.detach() for k, v in model.state_dict().items()}
+    gate_up, down = {}, {}
+    for i in range(model.config.num_hidden_layers):
+        key = f"model.layers.{i}.mlp.experts."
+        if key + "gate_up_proj" in sd:
+            gate_up[i], down[i] = sd[key + "gate_up_proj"], sd[key + "down_proj"]
+    return MoEModel(model.config, sd, ResidentExperts(gate_up, down))
