@@ -11,17 +11,18 @@ qk_nope / qk_rope / v head dims, E routed experts, I = moe_intermediate_size.
 - **One routing function** (`route`) for every path and any r: V2 softmax / greedy top-r, times
   the scaling factor, no renormalisation; V3 sigmoid scores + correction bias choose, the
   un-biased scores weigh, normalised over the chosen r when `norm_topk_prob`, times the scale.
-- **Routed experts come from an `ExpertSource`**: the model never knows where they live. Only
+- **Routed experts come from an `ExpertStore`** (`draftexpert.experts`): the model never knows
+  where they live; the store's ledger sees every request and load. Only
   the unique experts a forward needs are asked for, and each runs once on all its tokens
   (a loop over unique experts, never over tokens). Shared experts are resident.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
-
 import torch
 import torch.nn.functional as F
+
+from draftexpert.experts import ExpertStore, ResidentStore
 
 
 @dataclass(frozen=True)
@@ -89,25 +90,6 @@ def route(logits: torch.Tensor, cfg: ModelConfig, r: int, bias: torch.Tensor | N
     return w * cfg.scale, idx
 
 
-class ExpertSource(Protocol):
-    """Where routed experts come from. `fetch` returns, for each requested expert of `layer`,
-    (gate_up [2I, H], down [H, I]) ready on the compute device, loading what is missing."""
-
-    def fetch(self, layer: int, experts: list[int], phase: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        ...
-
-
-class ResidentExperts:
-    """Every routed expert already in memory (the paper's resident reference)."""
-
-    def __init__(self, gate_up: dict[int, torch.Tensor], down: dict[int, torch.Tensor]):
-        self.gate_up, self.down = gate_up, down  # layer → [E, 2I, H], [E, H, I]
-
-    def fetch(self, layer, experts, phase):
-        gu, dn = self.gate_up[layer], self.down[layer]
-        return [(gu[e], dn[e]) for e in experts]
-
-
 class KVCache:
     """Compressed MLA cache: per layer c_kv [max_len, r_kv] and k_pe [max_len, d_r]."""
 
@@ -144,7 +126,7 @@ class MoEModel:
     top_k; shared+top-r drafters use r. Router taps: after each forward, `self.last_routing`
     holds the chosen experts [T, top_k] of every MoE layer (layer → tensor)."""
 
-    def __init__(self, hf_config, weights: dict[str, torch.Tensor], experts: ExpertSource):
+    def __init__(self, hf_config, weights: dict[str, torch.Tensor], experts: ExpertStore):
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
         from transformers.models.deepseek_v2.modeling_deepseek_v2 import yarn_apply_mscale
 
@@ -235,10 +217,14 @@ class MoEModel:
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, cache: KVCache, r: int | None = None, phase: str = "ar") -> torch.Tensor:
         """ids [T] → logits [T, V]; appends T positions to the cache."""
-        c = self.cfg
         T = ids.shape[0]
         if cache.length + T > cache.max_len:
             raise ValueError(f"KV cache full: {cache.length} + {T} > {cache.max_len}")
+        with self.experts.ledger.forward(phase, T):
+            return self._forward(ids, cache, r, phase)
+
+    def _forward(self, ids, cache, r, phase):
+        c, T = self.cfg, ids.shape[0]
         pos = torch.arange(cache.length, cache.length + T, dtype=torch.float32)
         ang = pos[:, None] * self.inv_freq[None]
         cos, sin = ang.cos() * self.rope_scale, ang.sin() * self.rope_scale  # [T, d_r/2]
@@ -253,11 +239,11 @@ class MoEModel:
 
 
 def from_hf_model(model) -> MoEModel:
-    """A lean model sharing the weights of a loaded transformers DeepseekV2/V3 model, experts resident."""
+    """A lean model over the weights of a loaded transformers DeepseekV2/V3 model, experts resident."""
     sd = {k: v.detach() for k, v in model.state_dict().items()}
     gate_up, down = {}, {}
     for i in range(model.config.num_hidden_layers):
         key = f"model.layers.{i}.mlp.experts."
         if key + "gate_up_proj" in sd:
             gate_up[i], down[i] = sd[key + "gate_up_proj"], sd[key + "down_proj"]
-    return MoEModel(model.config, sd, ResidentExperts(gate_up, down))
+    return MoEModel(model.config, sd, ResidentStore(gate_up, down))

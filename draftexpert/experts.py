@@ -1,0 +1,207 @@
+"""Expert stores: where routed experts live and how they reach the accelerator.
+
+All stores share one interface (`fetch` for the model, `prefetch` for speculation) and one
+accelerator-side cache with an in-flight set; they differ only in how one expert is loaded:
+
+- `ResidentStore`  every expert already on the accelerator (the paper's resident reference).
+- `HostStore`      platform cg: experts in host memory (pinned under CUDA), copied to the
+                   accelerator on a dedicated CUDA stream with an event per expert; without CUDA
+                   the accelerator is the CPU and the copy runs on a worker thread (a real memcpy
+                   into accelerator-side tensors, overlapping compute the same way).
+- `FlashStore`     platform mn: experts in a GGUF file (`draftexpert.gguf_experts`), read with
+                   O_DIRECT by a pool of reader threads (several reads in flight), dequantised on
+                   the accelerator side; a DRAM staging budget bounds the raw bytes kept between steps.
+
+An expert reaches the model as (gate_up [2I, H], down [H, I]) in the compute dtype.
+Cache: `cache_experts` expert slots kept on the accelerator between forwards (LRU); 0 — the
+paper's cold setting — keeps nothing, so every forward loads all it needs (each unique expert once).
+Every fetch reports requested / loaded / bytes / stall to the `Ledger`.
+"""
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from draftexpert.ledger import Ledger
+
+Key = tuple[int, int]  # (layer, expert)
+
+
+class ExpertStore:
+    name = "base"
+
+    def __init__(self, device: torch.device | str = "cpu", cache_experts: int = 0, ledger: Ledger | None = None,
+                 dtype: torch.dtype = torch.float32):
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.capacity = cache_experts
+        self.cache: OrderedDict[Key, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+        self.inflight: dict[Key, object] = {}
+        self.ledger = ledger or Ledger()
+
+    # -- what a store implements --------------------------------------------------------
+    def expert_bytes(self, key: Key) -> int:
+        """Bytes moved to load one expert from this store."""
+        raise NotImplementedError
+
+    def _start(self, key: Key):
+        """Begin loading one expert without blocking; return a handle."""
+        raise NotImplementedError
+
+    def _finish(self, handle) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block until a load is done; return (gate_up, down) on the accelerator."""
+        raise NotImplementedError
+
+    # -- shared machinery ---------------------------------------------------------------
+    def prefetch(self, layer: int, experts: list[int]) -> list[int]:
+        """Start loads of the experts that are neither cached nor in flight; return them."""
+        started = []
+        for e in experts:
+            key = (layer, e)
+            if key not in self.cache and key not in self.inflight:
+                self.inflight[key] = self._start(key)
+                started.append(e)
+        return started
+
+    def fetch(self, layer: int, experts: list[int], phase: str = "ar") -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(gate_up, down) for each expert of `layer`, loading what is missing; blocks until ready."""
+        missing = [e for e in experts if (layer, e) not in self.cache and (layer, e) not in self.inflight]
+        for e in missing:  # start every missing load before waiting on any: reads overlap
+            self.inflight[(layer, e)] = self._start((layer, e))
+        loaded = sum(1 for e in experts if (layer, e) not in self.cache)
+        nbytes = sum(self.expert_bytes((layer, e)) for e in experts if (layer, e) not in self.cache)
+        t0 = time.perf_counter()
+        out = []
+        for e in experts:
+            key = (layer, e)
+            if key in self.cache:
+                self.cache.move_to_end(key)
+                out.append(self.cache[key])
+            else:
+                w = self._finish(self.inflight.pop(key))
+                out.append(w)
+                self._remember(key, w)
+        self.ledger.record(layer, len(experts), loaded, nbytes, time.perf_counter() - t0)
+        return out
+
+    def _remember(self, key: Key, w) -> None:
+        if self.capacity <= 0:
+            return
+        self.cache[key] = w
+        while len(self.cache) > self.capacity:
+            self.cache.popitem(last=False)
+
+    def close(self) -> None:
+        pass
+
+
+class ResidentStore(ExpertStore):
+    """Every routed expert on the accelerator: fetch never loads."""
+
+    name = "resident"
+
+    def __init__(self, gate_up: dict[int, torch.Tensor], down: dict[int, torch.Tensor], **kw):
+        super().__init__(**kw)
+        self.gate_up = {k: v.to(self.device, self.dtype) for k, v in gate_up.items()}  # layer → [E, 2I, H]
+        self.down = {k: v.to(self.device, self.dtype) for k, v in down.items()}  # layer → [E, H, I]
+        for layer in self.gate_up:
+            for e in range(self.gate_up[layer].shape[0]):
+                self.cache[(layer, e)] = (self.gate_up[layer][e], self.down[layer][e])
+        self.capacity = len(self.cache)
+
+    def expert_bytes(self, key):
+        return 0
+
+
+class HostStore(ExpertStore):
+    """Platform cg: experts in host memory, copied to the accelerator per load."""
+
+    name = "host"
+
+    def __init__(self, gate_up: dict[int, torch.Tensor], down: dict[int, torch.Tensor], **kw):
+        super().__init__(**kw)
+        cuda = self.device.type == "cuda"
+        pin = cuda and torch.cuda.is_available()
+        # host pool: per-layer [E, 2I, H] / [E, H, I], contiguous so one expert is one copy each
+        self.gate_up = {k: (v.contiguous().pin_memory() if pin else v.contiguous()) for k, v in gate_up.items()}
+        self.down = {k: (v.contiguous().pin_memory() if pin else v.contiguous()) for k, v in down.items()}
+        self.stream = torch.cuda.Stream(self.device) if cuda else None
+        self.worker = None if cuda else ThreadPoolExecutor(1, thread_name_prefix="h2d")  # the "copy stream"
+
+    def expert_bytes(self, key):
+        layer, e = key
+        return self.gate_up[layer][e].nbytes + self.down[layer][e].nbytes
+
+    def _copy(self, key):
+        layer, e = key
+        gu, dn = self.gate_up[layer][e], self.down[layer][e]
+        return (torch.empty(gu.shape, dtype=self.dtype, device=self.device).copy_(gu, non_blocking=True),
+                torch.empty(dn.shape, dtype=self.dtype, device=self.device).copy_(dn, non_blocking=True))
+
+    def _start(self, key):
+        if self.stream is None:
+            return self.worker.submit(self._copy, key)
+        with torch.cuda.stream(self.stream):
+            w = self._copy(key)
+            ev = torch.cuda.Event()
+            ev.record(self.stream)
+        return w, ev
+
+    def _finish(self, handle):
+        if isinstance(handle, Future):
+            return handle.result()
+        w, ev = handle
+        ev.synchronize()  # the host waits: this is the stall the ledger measures
+        for t in w:  # tensors made on the copy stream are used on the compute stream
+            t.record_stream(torch.cuda.current_stream(self.device))
+        return w
+
+    def close(self):
+        if self.worker:
+            self.worker.shutdown(wait=True)
+
+
+class FlashStore(ExpertStore):
+    """Platform mn: experts read from a GGUF file with O_DIRECT, dequantised on the accelerator."""
+
+    name = "flash"
+
+    def __init__(self, path: Path, io_threads: int = 6, staging_budget_bytes: int = 0, **kw):
+        from draftexpert.gguf_experts import ExpertFile
+
+        super().__init__(**kw)
+        self.file = ExpertFile(Path(path))
+        self.pool = ThreadPoolExecutor(io_threads, thread_name_prefix="odirect")
+        self.budget = staging_budget_bytes
+        self.staged: OrderedDict[Key, bytes] = OrderedDict()  # raw file bytes kept in DRAM
+        self.staged_bytes = 0
+
+    def expert_bytes(self, key):
+        return 0 if key in self.staged else self.file.expert_nbytes(key[0])
+
+    def _start(self, key):
+        if key in self.staged:
+            self.staged.move_to_end(key)
+            done: Future = Future()
+            done.set_result(self.staged[key])
+            return key, done
+        return key, self.pool.submit(self.file.read_expert, *key)
+
+    def _finish(self, handle):
+        key, fut = handle
+        raw = fut.result()
+        if self.budget > 0 and key not in self.staged:
+            self.staged[key] = raw
+            self.staged_bytes += len(raw.gate_up) + len(raw.down)
+            while self.staged_bytes > self.budget and self.staged:
+                _, old = self.staged.popitem(last=False)
+                self.staged_bytes -= len(old.gate_up) + len(old.down)
+        return self.file.dequantize(raw, self.device, self.dtype)
+
+    def close(self):
+        self.pool.shutdown(wait=True)
+        self.file.close()

@@ -1,0 +1,190 @@
+"""Routed experts in a GGUF file, in llama.cpp's own tensor layout, read with O_DIRECT.
+
+Layout (llama.cpp's deepseek2 names): per MoE layer l, `blk.l.ffn_gate_exps.weight`,
+`blk.l.ffn_up_exps.weight` [E, I, H] and `blk.l.ffn_down_exps.weight` [E, H, I] (numpy order;
+ggml lists dims reversed). The expert is the outermost dimension, so expert e of a tensor is one
+contiguous byte range: offset = data_offset + e · (n_bytes / E). Loading one expert is three
+contiguous reads (gate, up, down) issued together; each is widened to 4 KiB-aligned bounds as
+O_DIRECT requires (the file's data alignment is 4 KiB, so bf16/f16/f32 slices are already
+aligned and Q4_0 slices cost at most one extra page a read). Keeping llama.cpp's layout means
+the same file serves llama.cpp (platform mn's second engine).
+
+Types: F32, F16, BF16, Q4_0 (18-byte blocks of 32 weights: an f16 scale d, then 16 bytes whose low
+nibbles are weights 0–15 and high nibbles 16–31; w = d · (q − 8)), bit-identical to llama.cpp's.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ALIGN = 4096
+ARCH = "deepseek2"
+TYPES = ("f32", "f16", "bf16", "q4_0")
+PARTS = ("gate", "up", "down")
+
+
+class ExpertFileError(RuntimeError):
+    """The GGUF file is missing, truncated, corrupt, or not an expert file this runtime can read."""
+
+
+def _qtype(name: str):
+    from gguf import GGMLQuantizationType as Q
+
+    return {"f32": Q.F32, "f16": Q.F16, "bf16": Q.BF16, "q4_0": Q.Q4_0}[name]
+
+
+def write_expert_gguf(path: Path, experts, meta: dict, qtype: str = "q4_0") -> Path:
+    """Write experts into `path` (atomically). `experts` yields (layer, gate_up [E, 2I, H],
+    down [E, H, I]) float tensors; `meta` holds n_layer, n_expert, n_embd, n_ff_exp, first_dense."""
+    import gguf
+
+    if qtype not in TYPES:
+        raise ValueError(f"unsupported expert type {qtype!r}; choose one of {', '.join(TYPES)}")
+    path = Path(path)
+    tmp = path.with_name(path.name + ".part")
+    w = gguf.GGUFWriter(str(tmp), ARCH)
+    w.add_custom_alignment(ALIGN)
+    w.add_block_count(meta["n_layer"])
+    w.add_embedding_length(meta["n_embd"])
+    w.add_expert_count(meta["n_expert"])
+    w.add_expert_feed_forward_length(meta["n_ff_exp"])
+    w.add_leading_dense_block_count(meta["first_dense"])
+    w.add_file_type({"f32": 0, "f16": 1, "bf16": 32, "q4_0": 2}[qtype])
+    w.add_string("draftexpert.content", "routed experts")
+    qt = _qtype(qtype)
+    for layer, gate_up, down in experts:
+        inter = gate_up.shape[1] // 2
+        for part, t in (("gate", gate_up[:, :inter]), ("up", gate_up[:, inter:]), ("down", down)):
+            arr = t.detach().float().contiguous().numpy()
+            name = f"blk.{layer}.ffn_{part}_exps.weight"
+            if qtype == "f32":
+                w.add_tensor(name, arr)
+            elif qtype == "f16":
+                w.add_tensor(name, arr.astype(np.float16))
+            else:
+                w.add_tensor(name, gguf.quants.quantize(arr, qt), raw_dtype=qt)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    os.replace(tmp, path)
+    return path
+
+
+@dataclass
+class RawExpert:
+    gate_up: bytes  # gate rows then up rows, file encoding
+    down: bytes
+
+
+@dataclass
+class _Slice:
+    offset: int  # file offset of expert 0
+    nbytes: int  # bytes of one expert's slice
+    shape: tuple[int, int]  # one expert's [rows, cols]
+    qtype: str
+
+
+class ExpertFile:
+    """Index of a GGUF expert file and O_DIRECT reads of single experts."""
+
+    def __init__(self, path: Path):
+        import gguf
+
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise ExpertFileError(f"{self.path}: no such expert file (write it with `bench convert`)")
+        try:
+            reader = gguf.GGUFReader(str(self.path))
+        except Exception as e:  # noqa: BLE001 - gguf raises ValueError/struct.error/IndexError on damage
+            raise ExpertFileError(f"{self.path}: not a readable GGUF file ({type(e).__name__}: {e})") from e
+        names = {
+            gguf.GGMLQuantizationType.F32: "f32", gguf.GGMLQuantizationType.F16: "f16",
+            gguf.GGMLQuantizationType.BF16: "bf16", gguf.GGMLQuantizationType.Q4_0: "q4_0",
+        }
+        size = self.path.stat().st_size
+        self.slices: dict[tuple[int, str], _Slice] = {}
+        for t in reader.tensors:
+            parts = t.name.split(".")
+            if len(parts) != 4 or parts[0] != "blk" or not parts[2].endswith("_exps"):
+                continue
+            layer, part = int(parts[1]), parts[2][len("ffn_"):-len("_exps")]
+            if t.tensor_type not in names:
+                raise ExpertFileError(f"{self.path}: tensor {t.name} has type {t.tensor_type.name}; "
+                                      f"supported: {', '.join(TYPES)}")
+            n_exp, rows, cols = int(t.shape[2]), int(t.shape[1]), int(t.shape[0])  # ggml order reversed
+            if t.data_offset + t.n_bytes > size:
+                raise ExpertFileError(f"{self.path}: truncated — tensor {t.name} ends at byte "
+                                      f"{t.data_offset + t.n_bytes:,} but the file has {size:,}")
+            self.slices[(layer, part)] = _Slice(t.data_offset, t.n_bytes // n_exp, (rows, cols), names[t.tensor_type])
+        if not self.slices:
+            raise ExpertFileError(f"{self.path}: holds no routed-expert tensors (blk.N.ffn_*_exps.weight)")
+        self.layers = sorted({layer for layer, _ in self.slices})
+        for layer in self.layers:
+            missing = [p for p in PARTS if (layer, p) not in self.slices]
+            if missing:
+                raise ExpertFileError(f"{self.path}: layer {layer} lacks ffn_{'/'.join(missing)}_exps")
+        self.fd = self._open()
+
+    def _open(self) -> int:
+        if not hasattr(os, "O_DIRECT"):
+            raise ExpertFileError("O_DIRECT is not available on this OS; the flash store needs it")
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_DIRECT)
+        except OSError as e:
+            raise ExpertFileError(f"{self.path}: cannot open with O_DIRECT ({e.strerror}); the file system "
+                                  "(tmpfs?) does not support direct I/O — put the file on a real disk") from e
+        return fd
+
+    def expert_nbytes(self, layer: int) -> int:
+        return sum(self.slices[(layer, p)].nbytes for p in PARTS)
+
+    def _read(self, offset: int, nbytes: int) -> bytes:
+        """pread with O_DIRECT: aligned envelope into an aligned buffer, then the exact bytes."""
+        start = offset // ALIGN * ALIGN
+        end = -(-(offset + nbytes) // ALIGN) * ALIGN
+        buf = mmap.mmap(-1, end - start)  # page-aligned staging buffer
+        try:
+            got = os.preadv(self.fd, [buf], start)
+            if got < offset + nbytes - start:
+                raise ExpertFileError(f"{self.path}: short read at {offset:,} (+{nbytes:,}): file truncated?")
+            return buf[offset - start: offset - start + nbytes]
+        finally:
+            buf.close()
+
+    def read_expert(self, layer: int, e: int) -> RawExpert:
+        g, u, d = (self.slices[(layer, p)] for p in PARTS)
+        return RawExpert(self._read(g.offset + e * g.nbytes, g.nbytes) + self._read(u.offset + e * u.nbytes, u.nbytes),
+                         self._read(d.offset + e * d.nbytes, d.nbytes))
+
+    def dequantize(self, raw: RawExpert, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        (rg, cg), (rd, cd) = self.slices[(self.layers[0], "gate")].shape, self.slices[(self.layers[0], "down")].shape
+        qt = self.slices[(self.layers[0], "gate")].qtype
+        return (decode(raw.gate_up, qt, (2 * rg, cg), device, dtype), decode(raw.down, qt, (rd, cd), device, dtype))
+
+    def close(self):
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def decode(data: bytes, qtype: str, shape: tuple[int, int], device, dtype) -> torch.Tensor:
+    """File bytes of a [rows, cols] matrix → a tensor on `device` (dequantised there)."""
+    raw = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+    if qtype == "f32":
+        return raw.view(torch.float32).view(shape).to(dtype)
+    if qtype == "f16":
+        return raw.view(torch.float16).view(shape).to(dtype)
+    if qtype == "bf16":
+        return raw.view(torch.bfloat16).view(shape).to(dtype)
+    rows, cols = shape  # q4_0: [rows, cols/32 blocks, 18 bytes]
+    blocks = raw.view(rows, cols // 32, 18)
+    d = blocks[..., :2].contiguous().view(torch.float16).to(dtype)  # [rows, nb, 1]
+    qs = blocks[..., 2:]
+    q = torch.cat([qs & 0x0F, qs >> 4], dim=-1).to(dtype) - 8.0  # [rows, nb, 32]
+    return (d * q).view(rows, cols)

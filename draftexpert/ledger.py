@@ -1,0 +1,93 @@
+"""The ledger: every expert request and load of every forward, tagged by phase.
+
+Per forward (one call of the model on T tokens), with phase ∈ {prefill, ar, draft, verify}:
+  requested   unique (layer, expert) pairs the forward's tokens routed to      = Σ_l |U_l(B)| (Eq. 2)
+  loads       of those, the ones not on the accelerator and moved there         (cache / in-flight misses)
+  hits        requested − loads: already resident, cached, or prefetched
+  bytes       bytes read from the expert store for those loads (file bytes on flash: Q4_0 is 4.5 bits/weight)
+  stall_s     wall seconds the forward waited for loads to finish
+  wall_s      wall seconds of the forward
+  compute_s   = wall_s − stall_s
+  per_layer   the same counters for each MoE layer
+Totals sum these over forwards; `summary()` also splits them by phase. The loading share of
+decode time (Fig. 1b) is Σ stall_s / Σ wall_s over the decode phases.
+"""
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+
+COUNTERS = ("requested", "loads", "hits", "bytes", "stall_s")
+
+
+@dataclass
+class ForwardRecord:
+    phase: str
+    tokens: int
+    requested: int = 0
+    loads: int = 0
+    hits: int = 0
+    bytes: int = 0
+    stall_s: float = 0.0
+    wall_s: float = 0.0
+    per_layer: dict[int, dict] = field(default_factory=lambda: defaultdict(lambda: dict.fromkeys(COUNTERS, 0)))
+
+    @property
+    def compute_s(self) -> float:
+        return self.wall_s - self.stall_s
+
+
+class Ledger:
+    def __init__(self):
+        self.forwards: list[ForwardRecord] = []
+        self._current: ForwardRecord | None = None
+
+    @contextmanager
+    def forward(self, phase: str, tokens: int):
+        """Wrap one model forward; expert stores report into it through `record`."""
+        rec = ForwardRecord(phase, tokens)
+        self._current = rec
+        t0 = time.perf_counter()
+        try:
+            yield rec
+        finally:
+            rec.wall_s = time.perf_counter() - t0
+            self._current = None
+            self.forwards.append(rec)
+
+    def record(self, layer: int, requested: int, loads: int, nbytes: int, stall_s: float) -> None:
+        rec = self._current
+        if rec is None:  # a store used outside a ledgered forward (e.g. a warm-up): not counted
+            return
+        pl = rec.per_layer[layer]
+        for key, val in (("requested", requested), ("loads", loads), ("hits", requested - loads),
+                         ("bytes", nbytes), ("stall_s", stall_s)):
+            setattr(rec, key, getattr(rec, key) + val)
+            pl[key] += val
+
+    def reset(self) -> None:
+        self.forwards.clear()
+
+    def summary(self) -> dict:
+        """Totals, by phase, and per-layer totals; `loading_share` = stall_s / wall_s."""
+        def agg(recs):
+            out = {k: sum(getattr(r, k) for r in recs) for k in (*COUNTERS, "wall_s")}
+            out["compute_s"] = out["wall_s"] - out["stall_s"]
+            out["forwards"] = len(recs)
+            out["tokens"] = sum(r.tokens for r in recs)
+            out["loading_share"] = out["stall_s"] / out["wall_s"] if out["wall_s"] > 0 else 0.0
+            return out
+
+        per_layer: dict[int, dict] = defaultdict(lambda: dict.fromkeys(COUNTERS, 0))
+        for r in self.forwards:
+            for layer, c in r.per_layer.items():
+                for k in COUNTERS:
+                    per_layer[layer][k] += c[k]
+        phases = sorted({r.phase for r in self.forwards})
+        return {"total": agg(self.forwards), "by_phase": {p: agg([r for r in self.forwards if r.phase == p]) for p in phases},
+                "per_layer": {str(k): v for k, v in sorted(per_layer.items())}}
+
+    def records(self) -> list[dict]:
+        return [{**{k: v for k, v in asdict(r).items() if k != "per_layer"}, "compute_s": r.compute_s} for r in self.forwards]

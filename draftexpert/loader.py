@@ -1,0 +1,143 @@
+"""Streaming loader: a DeepseekV2/V3 checkpoint folder → a lean `MoEModel` over an expert store.
+
+Safetensors shards are opened lazily (`safe_open`) and read one tensor at a time: non-routed
+weights go to the accelerator, routed experts go one layer at a time into their store (the host
+pool, or a GGUF file written once), so the whole model is never in memory at once. Checkpoints
+store experts one by one (`model.layers.L.mlp.experts.E.{gate,up,down}_proj.weight`, as
+`save_pretrained` and the real DeepSeek/Moonlight checkpoints do) or fused
+(`...mlp.experts.gate_up_proj` [E, 2I, H], `...down_proj` [E, H, I]); both are read.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from draftexpert.experts import ExpertStore, FlashStore, HostStore, ResidentStore
+from draftexpert.ledger import Ledger
+from draftexpert.model import MoEModel
+
+SUPPORTED = ("deepseek_v2", "deepseek_v3")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint folder that cannot be loaded: missing, corrupt, incomplete or unsupported."""
+
+
+def load_config(folder: Path):
+    from transformers import AutoConfig
+
+    folder = Path(folder)
+    cfg_path = folder / "config.json"
+    if not cfg_path.is_file():
+        raise CheckpointError(f"{folder}: no config.json — not a Hugging Face model folder")
+    try:
+        raw = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{cfg_path}: not valid JSON ({e})") from e
+    if raw.get("model_type") not in SUPPORTED:
+        raise CheckpointError(f"{cfg_path}: model_type {raw.get('model_type')!r} is not supported; this runtime "
+                              f"reads {', '.join(SUPPORTED)} (DeepSeek-V2-Lite, Moonlight and their tiny versions)")
+    return AutoConfig.from_pretrained(folder, local_files_only=True)
+
+
+class Checkpoint:
+    """Lazy, shard-aware access to the tensors of a safetensors checkpoint."""
+
+    def __init__(self, folder: Path):
+        from safetensors import safe_open
+
+        self.folder = Path(folder)
+        index = self.folder / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            shards = sorted(set(weight_map.values()))
+        else:
+            shards = sorted(p.name for p in self.folder.glob("*.safetensors"))
+            weight_map = None
+        if not shards:
+            raise CheckpointError(f"{self.folder}: no *.safetensors weights")
+        self.handles = {}
+        for s in shards:
+            path = self.folder / s
+            if not path.is_file():
+                raise CheckpointError(f"{path}: shard listed in model.safetensors.index.json is missing")
+            try:
+                self.handles[s] = safe_open(str(path), framework="pt")
+            except Exception as e:  # noqa: BLE001 - safetensors raises SafetensorError on damage
+                raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from e
+        self.where = weight_map or {k: s for s, h in self.handles.items() for k in h.keys()}
+
+    def keys(self):
+        return self.where.keys()
+
+    def get(self, name: str) -> torch.Tensor:
+        shard = self.where.get(name)
+        if shard is None:
+            raise CheckpointError(f"{self.folder}: tensor {name} is missing from the checkpoint")
+        try:
+            return self.handles[shard].get_tensor(name)
+        except Exception as e:  # noqa: BLE001 - a truncated shard fails here
+            raise CheckpointError(f"{self.folder / shard}: cannot read tensor {name} ({e}) — truncated or corrupt?") from e
+
+
+def non_routed_weights(ckpt: Checkpoint, device, dtype) -> dict[str, torch.Tensor]:
+    out = {}
+    for k in ckpt.keys():
+        if ".mlp.experts." in k:
+            continue
+        t = ckpt.get(k)
+        out[k] = t.to(device, torch.float32 if k.endswith("e_score_correction_bias") else dtype)
+    return out
+
+
+def routed_experts(ckpt: Checkpoint, hf_config) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+    """(layer, gate_up [E, 2I, H], down [E, H, I]) for each MoE layer, one layer in memory at a time."""
+    for layer in range(hf_config.first_k_dense_replace, hf_config.num_hidden_layers):
+        p = f"model.layers.{layer}.mlp.experts."
+        if p + "gate_up_proj" in ckpt.where:
+            yield layer, ckpt.get(p + "gate_up_proj"), ckpt.get(p + "down_proj")
+            continue
+        E = hf_config.n_routed_experts
+        gate_up = torch.stack([torch.cat([ckpt.get(f"{p}{e}.gate_proj.weight"), ckpt.get(f"{p}{e}.up_proj.weight")])
+                               for e in range(E)])
+        down = torch.stack([ckpt.get(f"{p}{e}.down_proj.weight") for e in range(E)])
+        yield layer, gate_up, down
+
+
+def gguf_meta(hf_config) -> dict:
+    return dict(n_layer=hf_config.num_hidden_layers, n_expert=hf_config.n_routed_experts, n_embd=hf_config.hidden_size,
+                n_ff_exp=hf_config.moe_intermediate_size, first_dense=hf_config.first_k_dense_replace)
+
+
+def convert_experts(folder: Path, out: Path, qtype: str = "q4_0") -> Path:
+    """Write the checkpoint's routed experts into a GGUF expert file (once; later runs reuse it)."""
+    from draftexpert.gguf_experts import write_expert_gguf
+
+    cfg = load_config(folder)
+    return write_expert_gguf(out, routed_experts(Checkpoint(folder), cfg), gguf_meta(cfg), qtype)
+
+
+def build_model(folder: Path, store: str = "resident", device: str = "cpu", dtype: torch.dtype = torch.float32,
+                gguf_path: Path | None = None, cache_experts: int = 0, staging_budget_bytes: int = 0,
+                io_threads: int = 6, ledger: Ledger | None = None) -> MoEModel:
+    """A lean model over `store` ∈ {resident, host, flash}; flash reads `gguf_path` (see `convert_experts`)."""
+    cfg = load_config(folder)
+    ckpt = Checkpoint(folder)
+    weights = non_routed_weights(ckpt, device, dtype)
+    kw = dict(device=device, dtype=dtype, ledger=ledger, cache_experts=cache_experts)
+    experts: ExpertStore
+    if store == "flash":
+        if gguf_path is None:
+            raise CheckpointError("the flash store needs a GGUF expert file (bench convert writes it)")
+        experts = FlashStore(gguf_path, io_threads=io_threads, staging_budget_bytes=staging_budget_bytes, **kw)
+    elif store in ("resident", "host"):
+        gate_up, down = {}, {}
+        for layer, gu, dn in routed_experts(ckpt, cfg):
+            gate_up[layer], down[layer] = gu.to(dtype), dn.to(dtype)
+        experts = ResidentStore(gate_up, down, **kw) if store == "resident" else HostStore(gate_up, down, **kw)
+    else:
+        raise ValueError(f"unknown expert store {store!r}; choose resident, host or flash")
+    return MoEModel(cfg, weights, experts)

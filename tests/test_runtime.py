@@ -1,0 +1,172 @@
+"""Expert-offload runtime: every store and the streaming loader give the transformers model's
+logits (1e-4, fp32) and greedy tokens; the ledger counts loads; bad files give clear errors."""
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
+
+from baselines.ar import AROffloadDecoder
+from draftexpert.gguf_experts import ExpertFile, ExpertFileError
+from draftexpert.loader import CheckpointError, build_model, convert_experts
+from draftexpert.model import KVCache
+
+REPO = Path(__file__).resolve().parents[1]
+COMMON = dict(vocab_size=300, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
+              first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=16,
+              n_shared_experts=2, num_experts_per_tok=4, q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16,
+              qk_rope_head_dim=8, v_head_dim=16, n_group=1, topk_group=1)
+
+
+@pytest.fixture(scope="module")
+def disk(tmp_path_factory):
+    """A folder on a file system that takes O_DIRECT (tmpfs does not): the repo's work/ if /tmp refuses."""
+    import os
+
+    d = tmp_path_factory.mktemp("odirect")
+    probe = d / "probe"
+    probe.write_bytes(b"\0" * 4096)
+    try:
+        os.close(os.open(probe, os.O_RDONLY | os.O_DIRECT))
+        return d
+    except OSError:
+        d = REPO / "work" / "pytest-odirect"
+        shutil.rmtree(d, ignore_errors=True)
+        d.mkdir(parents=True)
+        return d
+
+
+@pytest.fixture(scope="module", params=["v2", "v3"])
+def checkpoint(request, disk):
+    """A random tiny model saved in several safetensors shards, plus its f32 GGUF expert file."""
+    torch.manual_seed(0)
+    if request.param == "v2":
+        model = DeepseekV2ForCausalLM(DeepseekV2Config(**COMMON, topk_method="greedy")).eval()
+    else:
+        model = DeepseekV3ForCausalLM(DeepseekV3Config(**COMMON, norm_topk_prob=True, routed_scaling_factor=2.5)).eval()
+        for layer in model.model.layers[1:]:
+            layer.mlp.gate.e_score_correction_bias.normal_(0, 0.05)
+    folder = disk / f"ckpt-{request.param}"
+    model.save_pretrained(folder, max_shard_size="300KB")
+    assert len(list(folder.glob("*.safetensors"))) > 2  # the loader must stitch shards
+    return model, folder, convert_experts(folder, disk / f"{request.param}-f32.gguf", "f32")
+
+
+PROMPTS = [torch.randint(0, 300, (n,), generator=torch.Generator().manual_seed(n)) for n in (3, 7, 12)]
+
+
+@pytest.mark.parametrize("store", ["resident", "host", "flash"])
+def test_every_store_matches_transformers(checkpoint, store):
+    hf, folder, gguf = checkpoint
+    lean = build_model(folder, store, gguf_path=gguf)
+    for ids in PROMPTS:
+        with torch.no_grad():
+            ref = hf(ids[None]).logits[0]
+        assert (lean.forward(ids, KVCache(lean.cfg, 128)) - ref).abs().max() < 1e-4
+        want = hf.generate(ids[None], max_new_tokens=32, do_sample=False)[0, len(ids):].tolist()
+        out = AROffloadDecoder(lean).generate(ids.tolist(), 32, hf.generation_config.eos_token_id)
+        assert out.tokens == want
+    lean.experts.close()
+
+
+def test_ledger_counts_cold_loads(checkpoint):
+    _, folder, gguf = checkpoint
+    lean = build_model(folder, "flash", gguf_path=gguf)
+    out = AROffloadDecoder(lean).generate(PROMPTS[1].tolist(), 8)
+    led = out.stats["ledger"]
+    ar = led["by_phase"]["ar"]
+    # cold setting: every decode step loads each MoE layer's top-k (one token: all unique)
+    assert ar["forwards"] == 7 and ar["requested"] == ar["loads"] == 7 * 2 * 4
+    expert_bytes = 3 * 64 * 32 * 4  # gate, up, down of one f32 expert
+    assert ar["bytes"] == ar["loads"] * expert_bytes
+    assert 0 < ar["stall_s"] < ar["wall_s"]
+    assert set(led["per_layer"]) == {"1", "2"}
+    lean.experts.close()
+
+
+def test_cache_keeps_experts_between_forwards(checkpoint):
+    _, folder, gguf = checkpoint
+    lean = build_model(folder, "host", gguf_path=gguf, cache_experts=32)  # every expert fits
+    AROffloadDecoder(lean).generate(PROMPTS[2].tolist(), 16)
+    s = lean.experts.ledger.summary()["total"]
+    assert s["loads"] <= 32 and s["hits"] > 0
+
+
+def test_quantised_store_equals_model_with_dequantised_experts(checkpoint, disk):
+    """Q4_0 / bf16 files: the runtime computes exactly the model whose experts are the file's values."""
+    hf, folder, _ = checkpoint
+    for qtype in ("q4_0", "bf16"):
+        gguf = convert_experts(folder, disk / f"{folder.name}-{qtype}.gguf", qtype)
+        lean = build_model(folder, "flash", gguf_path=gguf)
+        f = ExpertFile(gguf)
+        ref_model = type(hf)(hf.config).eval()
+        ref_model.load_state_dict(hf.state_dict())
+        for layer in f.layers:
+            exp = ref_model.model.layers[layer].mlp.experts
+            for e in range(exp.gate_up_proj.shape[0]):
+                gu, dn = f.dequantize(f.read_expert(layer, e), "cpu", torch.float32)
+                exp.gate_up_proj.data[e], exp.down_proj.data[e] = gu, dn
+        ids = PROMPTS[2]
+        with torch.no_grad():
+            ref = ref_model(ids[None]).logits[0]
+        assert (lean.forward(ids, KVCache(lean.cfg, 64)) - ref).abs().max() < 1e-4
+        f.close()
+        lean.experts.close()
+
+
+def test_truncated_and_corrupt_gguf_name_the_file(checkpoint, disk):
+    _, _, gguf = checkpoint
+    cut = disk / "truncated.gguf"
+    data = gguf.read_bytes()
+    cut.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ExpertFileError, match="truncated"):
+        ExpertFile(cut)
+    junk = disk / "junk.gguf"
+    junk.write_bytes(b"not a gguf file" * 100)
+    with pytest.raises(ExpertFileError, match="junk.gguf"):
+        ExpertFile(junk)
+    with pytest.raises(ExpertFileError, match="no such expert file"):
+        ExpertFile(disk / "absent.gguf")
+
+
+def test_bad_checkpoints_are_refused_clearly(checkpoint, disk):
+    _, folder, _ = checkpoint
+    broken = disk / "broken"
+    shutil.copytree(folder, broken, dirs_exist_ok=True)
+    shard = sorted(broken.glob("*.safetensors"))[1]
+    shard.write_bytes(shard.read_bytes()[:200])
+    with pytest.raises(CheckpointError, match=shard.name):
+        build_model(broken, "resident")
+    other = disk / "llama"
+    other.mkdir(exist_ok=True)
+    (other / "config.json").write_text('{"model_type": "llama"}')
+    with pytest.raises(CheckpointError, match="not supported"):
+        build_model(other, "resident")
+    with pytest.raises(CheckpointError, match="no config.json"):
+        build_model(disk / "nowhere", "resident")
+
+
+def test_odirect_refusal_is_explained(checkpoint, monkeypatch):
+    import os
+
+    _, _, gguf = checkpoint
+    real_open = os.open
+
+    def no_direct(path, flags, *a):
+        if flags & os.O_DIRECT:
+            raise OSError(22, "Invalid argument")
+        return real_open(path, flags, *a)
+
+    monkeypatch.setattr(os, "open", no_direct)
+    with pytest.raises(ExpertFileError, match="does not support direct I/O"):
+        ExpertFile(gguf)
+
+
+def test_temperature_sampling_is_seeded(checkpoint):
+    _, folder, _ = checkpoint
+    lean = build_model(folder, "resident")
+    a = AROffloadDecoder(lean, temperature=0.8, seed=3).generate(PROMPTS[0].tolist(), 16).tokens
+    b = AROffloadDecoder(lean, temperature=0.8, seed=3).generate(PROMPTS[0].tolist(), 16).tokens
+    c = AROffloadDecoder(lean, temperature=0.8, seed=4).generate(PROMPTS[0].tolist(), 16).tokens
+    assert a == b and a != c
