@@ -201,10 +201,66 @@ def prompts_fetch():
 # ---------------------------------------------------------------- run
 
 
+PLATFORMS = {"mn": "flash", "cg": "host", "resident": "resident"}
+
+
+def expert_file(model: str, folder: Path, qtype: str, out: Path | None = None) -> Path:
+    """The GGUF expert file of a checkpoint, written once and reused: its name carries a
+    fingerprint of config.json and the shards' names, sizes and mtimes."""
+    import hashlib
+
+    from bench.sources import cache_dir
+    from draftexpert.loader import convert_experts
+
+    h = hashlib.sha256((folder / "config.json").read_bytes())
+    for p in sorted(folder.glob("*.safetensors")):
+        st = p.stat()
+        h.update(f"{p.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    path = out or cache_dir() / "gguf" / f"{model}-{qtype}-{h.hexdigest()[:12]}.gguf"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        log(f"writing the {qtype} expert file {path} (once)")
+        convert_experts(folder, path, qtype)
+    return path
+
+
+@app.command()
+def convert(model: Annotated[str, typer.Option("--model", help="ds | ml | ds-tiny | ml-tiny")] = "ds-tiny",
+            model_path: ModelPathOpt = None,
+            to: Annotated[str, typer.Option("--to", help="Target format (gguf).")] = "gguf",
+            qtype: Annotated[str, typer.Option("--type", help="f32 | f16 | bf16 | q4_0")] = "q4_0",
+            out: Annotated[Path | None, typer.Option("--out", help="File to write (default: the cache).")] = None,
+            as_json: JsonOpt = False):
+    """Write a checkpoint's routed experts into a GGUF file for the flash store (platform mn)."""
+    from draftexpert.gguf_experts import TYPES
+    from draftexpert.loader import CheckpointError
+
+    if to != "gguf":
+        fail(f"--to: only gguf is supported, not {to!r}")
+    if qtype not in TYPES:
+        fail(f"--type: {qtype!r} is not one of {', '.join(TYPES)}")
+    folder = resolve_or_fail(model, model_path)
+    try:
+        path = expert_file(model, folder, qtype, out)
+    except CheckpointError as e:
+        fail(str(e))
+    emit({"model": model, "type": qtype, "path": str(path), "bytes": path.stat().st_size}, as_json,
+         f"{path} ({path.stat().st_size / 2**20:.1f} MiB)")
+
+
 @app.command()
 def run(model: Annotated[str, typer.Option("--model", help="ds | ml | ds-tiny | ml-tiny")] = "ds-tiny",
         model_path: ModelPathOpt = None,
-        method: Annotated[str, typer.Option("--method", help="Decoding method (see `bench run --help`).")] = "reference",
+        method: Annotated[str, typer.Option("--method", help="ar | reference")] = "ar",
+        platform: Annotated[str, typer.Option("--platform", help="mn (flash → accelerator) | cg (host → GPU) | "
+                                              "resident (every expert on the accelerator)")] = "mn",
+        expert_type: Annotated[str, typer.Option("--expert-type", help="mn: f32 | f16 | bf16 | q4_0")] = "q4_0",
+        cache_experts: Annotated[int, typer.Option("--cache-experts", min=0, help="Experts kept on the accelerator "
+                                                   "between forwards (0: the paper's cold setting).")] = 0,
+        staging_budget: Annotated[int, typer.Option("--staging-budget", min=0, help="mn: bytes of raw experts kept "
+                                                    "staged in DRAM between steps.")] = 0,
+        temperature: Annotated[float, typer.Option("--temperature", min=0.0)] = 0.0,
+        seed: Annotated[int, typer.Option("--seed")] = 0,
         suite: Annotated[list[str] | None, typer.Option("--suite", help="Prompt suite(s); default all six.")] = None,
         limit: Annotated[int | None, typer.Option("--limit", min=1, help="First N prompts of each suite.")] = None,
         max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", min=1)] = 64,
@@ -215,20 +271,23 @@ def run(model: Annotated[str, typer.Option("--model", help="ds | ml | ds-tiny | 
         as_json: JsonOpt = False):
     """Decode the prompt suites with one method; one record per prompt, resumable.
 
-    Methods available now: `reference` (the target's plain greedy decoding with transformers,
-    weights resident: the exactness oracle). The offload methods (ar, top-r, draftexpert) plug
-    into the same contract."""
+    `ar`: autoregressive decoding on the expert-offload runtime (the paper's baseline; every
+    expert load is counted by the ledger). `reference`: the target's plain greedy decoding
+    through transformers, weights resident — the exactness oracle."""
     import torch
 
     from bench import prompts
     from bench.runner import CellConfig, run_cells
     from bench.telemetry import collect
-    from draftexpert.checkpoint import load_target
-    from draftexpert.reference import ReferenceDecoder
+    from draftexpert.gguf_experts import TYPES, ExpertFileError
+    from draftexpert.loader import CheckpointError
 
-    methods = {"reference": ReferenceDecoder}
-    if method not in methods:
-        fail(f"--method: {method!r} is not available; available: {', '.join(methods)}")
+    if method not in ("ar", "reference"):
+        fail(f"--method: {method!r} is not available; available: ar, reference")
+    if platform not in PLATFORMS:
+        fail(f"--platform: {platform!r} is not one of {', '.join(PLATFORMS)}")
+    if expert_type not in TYPES:
+        fail(f"--expert-type: {expert_type!r} is not one of {', '.join(TYPES)}")
     unknown = [s for s in suite or [] if s not in prompts.SUITES]
     if unknown:
         fail(f"--suite: unknown suite(s) {', '.join(unknown)}; known: {', '.join(prompts.SUITES)}")
@@ -243,11 +302,35 @@ def run(model: Annotated[str, typer.Option("--model", help="ds | ml | ds-tiny | 
             raise
         fail(f"--from-hub: could not load from the Hugging Face hub ({type(e).__name__}: {e}); it needs the "
              "`datasets` package and network access — the committed suites need neither")
-    target, tokenizer = load_target(folder)
-    cfg = CellConfig(model=model, method=method, max_new_tokens=max_new_tokens)
-    run_dir = out or (REPO_ROOT / "runs" / f"{model}-{method}")
-    summary = run_cells(cfg, recs, methods[method](target), tokenizer, run_dir,
-                        machine=collect(run_dir, measure_io=True), log=log)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    if method == "reference":
+        from draftexpert.checkpoint import load_target
+        from draftexpert.reference import ReferenceDecoder
+
+        decoder = ReferenceDecoder(load_target(folder)[0])
+        cfg = CellConfig(model=model, method=method, platform="resident", max_new_tokens=max_new_tokens)
+    else:
+        from baselines.ar import AROffloadDecoder
+        from draftexpert.loader import build_model
+
+        store = PLATFORMS[platform]
+        device = "cuda" if platform == "cg" and torch.cuda.is_available() else "cpu"
+        try:
+            gguf = expert_file(model, folder, expert_type) if store == "flash" else None
+            target = build_model(folder, store, device=device, gguf_path=gguf, cache_experts=cache_experts,
+                                 staging_budget_bytes=staging_budget)
+        except (CheckpointError, ExpertFileError) as e:
+            fail(str(e))
+        decoder = AROffloadDecoder(target, temperature=temperature, seed=seed)
+        args = {"store": store, "device": device, "cache_experts": cache_experts}
+        if store == "flash":
+            args.update(expert_type=expert_type, staging_budget=staging_budget)
+        cfg = CellConfig(model=model, method=method, platform=platform, max_new_tokens=max_new_tokens,
+                         temperature=temperature, seed=seed, method_args=args)
+    run_dir = out or (REPO_ROOT / "runs" / f"{model}-{method}-{cfg.platform}")
+    summary = run_cells(cfg, recs, decoder, tokenizer, run_dir, machine=collect(run_dir, measure_io=True), log=log)
     emit(summary, as_json, f"{summary['written']} written, {summary['skipped']} already done → {run_dir}")
 
 

@@ -38,6 +38,22 @@ def render_prompt(tokenizer, text: str) -> list[int]:
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
+def ledger_fields(ledger: dict | None) -> dict:
+    """Decode-phase movement, flattened for tables (Fig. 1b); phases other than prefill are decode.
+      decode_loads / decode_bytes   experts loaded and bytes read after prefill
+      decode_stall_s                seconds decode waited for loads
+      decode_compute_s              decode forward seconds minus stall
+      loading_share                 = decode_stall_s / (decode_stall_s + decode_compute_s)"""
+    if not ledger:
+        return {}
+    phases = [v for k, v in ledger["by_phase"].items() if k != "prefill"]
+    stall = sum(p["stall_s"] for p in phases)
+    compute = sum(p["compute_s"] for p in phases)
+    return {"decode_loads": sum(p["loads"] for p in phases), "decode_bytes": sum(p["bytes"] for p in phases),
+            "decode_stall_s": stall, "decode_compute_s": compute,
+            "loading_share": stall / (stall + compute) if stall + compute > 0 else 0.0}
+
+
 def run_cells(cfg: CellConfig, prompts: list[dict], decoder: Decoder, tokenizer, run_dir: Path,
               machine: dict | None = None, log: Callable[[str], None] = lambda m: print(m, file=sys.stderr),
               run_name: str | None = None) -> dict:
@@ -63,7 +79,7 @@ def run_cells(cfg: CellConfig, prompts: list[dict], decoder: Decoder, tokenizer,
                     "prompt_id": p["id"], "category": p["category"], "prompt_tokens": len(ids),
                     "tokens": out.tokens, "new_tokens": len(out.tokens),
                     "prefill_s": out.prefill_s, "decode_s": out.decode_s, "decode_tps": out.decode_tps,
-                    "finished_at": time.time(), **out.stats,
+                    "finished_at": time.time(), **out.stats, **ledger_fields(out.stats.get("ledger")),
                 }
                 store.write(record)
                 written += 1

@@ -9,33 +9,45 @@ from bench.results import read_records
 from tests.conftest import BENCH, REPO, run_bench
 
 
-def _run_args(ckpt, out, limit=2):
+def _run_args(ckpt, out, limit=2, method="ar", tokens=4):
     return ["run", "--model", "ds-tiny", "--model-path", str(ckpt), "--suite", "gsm8k", "--suite", "chat",
-            "--limit", str(limit), "--max-new-tokens", "4", "--out", str(out), "--threads", "1", "--json"]
+            "--limit", str(limit), "--max-new-tokens", str(tokens), "--out", str(out), "--threads", "1", "--json",
+            "--method", method, "--platform", "mn", "--expert-type", "f32"]
+
+
+def _env(tmp_path):
+    return {"DRAFTEXPERT_CACHE": str(tmp_path / "cache")}  # the GGUF expert file goes here, not the user's cache
 
 
 def test_run_writes_records_and_manifest_then_skips_done(tiny_checkpoint, tmp_path):
     out = tmp_path / "run"
-    p = run_bench(*_run_args(tiny_checkpoint, out))
+    p = run_bench(*_run_args(tiny_checkpoint, out), env=_env(tmp_path))
     assert p.returncode == 0, p.stderr
     assert json.loads(p.stdout)["written"] == 4
     recs = read_records(out / "records.jsonl")
     assert [r["prompt_id"] for r in recs] == ["gsm8k-000", "gsm8k-001", "chat-000", "chat-001"]
     for r in recs:
         assert 1 <= r["new_tokens"] <= 4 and len(r["tokens"]) == r["new_tokens"]
-        assert r["method"] == "reference" and r["model"] == "ds-tiny" and r["prompt_tokens"] > 5
+        assert r["method"] == "ar" and r["platform"] == "mn" and r["model"] == "ds-tiny" and r["prompt_tokens"] > 5
+        assert r["method_args"] == {"store": "flash", "device": "cpu", "cache_experts": 0, "expert_type": "f32",
+                                    "staging_budget": 0}
+        # cold flash: each decode step loads top-2 of 8 experts in the one MoE layer
+        assert r["decode_loads"] == 2 * (r["new_tokens"] - 1) and r["decode_bytes"] > 0
+        assert 0 < r["loading_share"] < 1 and r["ledger"]["by_phase"]["prefill"]["forwards"] == 1
     man = json.loads((out / "manifest.json").read_text())
     assert man["sessions"][-1]["status"] == "complete" and man["machine"]["cpu"]["logical_cores"] >= 1
     assert "commit" in man["git"]
-    p = run_bench(*_run_args(tiny_checkpoint, out))
-    assert json.loads(p.stdout) | {} and json.loads(p.stdout)["written"] == 0
+    p = run_bench(*_run_args(tiny_checkpoint, out), env=_env(tmp_path))
+    assert json.loads(p.stdout)["written"] == 0
     assert json.loads(p.stdout)["skipped"] == 4
     assert len(json.loads((out / "manifest.json").read_text())["sessions"]) == 2
 
 
 def test_sweep_killed_mid_run_resumes_without_redoing_cells(tiny_checkpoint, tmp_path):
     out = tmp_path / "run"
-    proc = subprocess.Popen([*BENCH, *_run_args(tiny_checkpoint, out, limit=30)], cwd=REPO,
+    import os
+
+    proc = subprocess.Popen([*BENCH, *_run_args(tiny_checkpoint, out, limit=30)], cwd=REPO, env=os.environ | _env(tmp_path),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 120
     while time.time() < deadline:
@@ -46,7 +58,7 @@ def test_sweep_killed_mid_run_resumes_without_redoing_cells(tiny_checkpoint, tmp
     proc.wait()
     first = read_records(out / "records.jsonl")
     assert 3 <= len(first) < 60
-    p = run_bench(*_run_args(tiny_checkpoint, out, limit=30))
+    p = run_bench(*_run_args(tiny_checkpoint, out, limit=30), env=_env(tmp_path))
     assert p.returncode == 0, p.stderr
     summary = json.loads(p.stdout)
     assert summary["skipped"] == len(first) and summary["written"] == 60 - len(first)
@@ -55,6 +67,15 @@ def test_sweep_killed_mid_run_resumes_without_redoing_cells(tiny_checkpoint, tmp
     assert recs[:len(first)] == first  # finished cells untouched
     man = json.loads((out / "manifest.json").read_text())
     assert [s["status"] for s in man["sessions"]] == ["running", "complete"]  # the killed session says so
+
+
+def test_ar_offload_records_equal_reference_records_token_for_token(tiny_checkpoint, tmp_path):
+    for method in ("ar", "reference"):
+        p = run_bench(*_run_args(tiny_checkpoint, tmp_path / method, limit=3, method=method, tokens=24), env=_env(tmp_path))
+        assert p.returncode == 0, p.stderr
+    ar, ref = (read_records(tmp_path / m / "records.jsonl") for m in ("ar", "reference"))
+    assert [r["prompt_id"] for r in ar] == [r["prompt_id"] for r in ref]
+    assert [r["tokens"] for r in ar] == [r["tokens"] for r in ref]
 
 
 def test_reference_decoder_equals_transformers_generate(tiny_checkpoint):
@@ -73,5 +94,26 @@ def test_reference_decoder_equals_transformers_generate(tiny_checkpoint):
 def test_bad_method_and_suite_name_the_flag(tiny_checkpoint):
     p = run_bench("run", "--model-path", str(tiny_checkpoint), "--method", "medusa")
     assert p.returncode == 2 and "--method" in p.stderr
+    p = run_bench("run", "--model-path", str(tiny_checkpoint), "--platform", "gpu")
+    assert p.returncode == 2 and "--platform" in p.stderr
+    p = run_bench("run", "--model-path", str(tiny_checkpoint), "--expert-type", "q8_0")
+    assert p.returncode == 2 and "--expert-type" in p.stderr
     p = run_bench("run", "--model-path", str(tiny_checkpoint), "--suite", "trivia")
     assert p.returncode == 2 and "--suite" in p.stderr
+
+
+def test_convert_writes_a_readable_expert_file_once(tiny_checkpoint, tmp_path):
+    from draftexpert.gguf_experts import ExpertFile
+
+    p = run_bench("convert", "--model", "ds-tiny", "--model-path", str(tiny_checkpoint), "--type", "q4_0", "--json",
+                  env=_env(tmp_path))
+    assert p.returncode == 0, p.stderr
+    path = json.loads(p.stdout)["path"]
+    f = ExpertFile(path)
+    assert f.layers == [1] and f.slices[(1, "gate")].qtype == "q4_0"
+    f.close()
+    again = run_bench("convert", "--model", "ds-tiny", "--model-path", str(tiny_checkpoint), "--type", "q4_0", "--json",
+                      env=_env(tmp_path))
+    assert json.loads(again.stdout)["path"] == path and "writing" not in again.stderr  # reused
+    bad = run_bench("convert", "--model-path", str(tiny_checkpoint), "--type", "q8_0")
+    assert bad.returncode == 2 and "--type" in bad.stderr
