@@ -242,7 +242,7 @@ def convert(model: Annotated[str, typer.Option("--model", help="ds | ml | ds-tin
     folder = resolve_or_fail(model, model_path)
     try:
         path = expert_file(model, folder, qtype, out)
-    except CheckpointError as e:
+    except (CheckpointError, ValueError) as e:
         fail(str(e))
     emit({"model": model, "type": qtype, "path": str(path), "bytes": path.stat().st_size}, as_json,
          f"{path} ({path.stat().st_size / 2**20:.1f} MiB)")
@@ -321,7 +321,7 @@ def run(model: Annotated[str, typer.Option("--model", help="ds | ml | ds-tiny | 
             gguf = expert_file(model, folder, expert_type) if store == "flash" else None
             target = build_model(folder, store, device=device, gguf_path=gguf, cache_experts=cache_experts,
                                  staging_budget_bytes=staging_budget)
-        except (CheckpointError, ExpertFileError) as e:
+        except (CheckpointError, ExpertFileError, ValueError) as e:
             fail(str(e))
         decoder = AROffloadDecoder(target, temperature=temperature, seed=seed)
         args = {"store": store, "device": device, "cache_experts": cache_experts}

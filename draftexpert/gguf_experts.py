@@ -45,6 +45,9 @@ def write_expert_gguf(path: Path, experts, meta: dict, qtype: str = "q4_0") -> P
 
     if qtype not in TYPES:
         raise ValueError(f"unsupported expert type {qtype!r}; choose one of {', '.join(TYPES)}")
+    if qtype == "q4_0" and (meta["n_embd"] % 32 or meta["n_ff_exp"] % 32):
+        raise ValueError(f"Q4_0 quantises rows in blocks of 32 weights: hidden {meta['n_embd']} and "
+                         f"moe_intermediate {meta['n_ff_exp']} must both be multiples of 32 (use f16 or bf16)")
     path = Path(path)
     tmp = path.with_name(path.name + ".part")
     w = gguf.GGUFWriter(str(tmp), ARCH)

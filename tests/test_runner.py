@@ -105,15 +105,18 @@ def test_bad_method_and_suite_name_the_flag(tiny_checkpoint):
 def test_convert_writes_a_readable_expert_file_once(tiny_checkpoint, tmp_path):
     from draftexpert.gguf_experts import ExpertFile
 
-    p = run_bench("convert", "--model", "ds-tiny", "--model-path", str(tiny_checkpoint), "--type", "q4_0", "--json",
+    p = run_bench("convert", "--model", "ds-tiny", "--model-path", str(tiny_checkpoint), "--type", "bf16", "--json",
                   env=_env(tmp_path))
     assert p.returncode == 0, p.stderr
     path = json.loads(p.stdout)["path"]
     f = ExpertFile(path)
-    assert f.layers == [1] and f.slices[(1, "gate")].qtype == "q4_0"
+    assert f.layers == [1] and f.slices[(1, "gate")].qtype == "bf16"
     f.close()
-    again = run_bench("convert", "--model", "ds-tiny", "--model-path", str(tiny_checkpoint), "--type", "q4_0", "--json",
+    again = run_bench("convert", "--model", "ds-tiny", "--model-path", str(tiny_checkpoint), "--type", "bf16", "--json",
                       env=_env(tmp_path))
     assert json.loads(again.stdout)["path"] == path and "writing" not in again.stderr  # reused
     bad = run_bench("convert", "--model-path", str(tiny_checkpoint), "--type", "q8_0")
     assert bad.returncode == 2 and "--type" in bad.stderr
+    # this checkpoint's moe_intermediate (16) cannot be Q4_0: said plainly, no traceback
+    q4 = run_bench("convert", "--model-path", str(tiny_checkpoint), "--type", "q4_0", env=_env(tmp_path))
+    assert q4.returncode == 2 and "multiples of 32" in q4.stderr and "Traceback" not in q4.stderr
