@@ -334,6 +334,44 @@ def run(model: Annotated[str, typer.Option("--model", help="ds | ml | ds-tiny | 
     emit(summary, as_json, f"{summary['written']} written, {summary['skipped']} already done → {run_dir}")
 
 
+# ---------------------------------------------------------------- speed benchmarks
+
+speed_app = typer.Typer(help="Runtime speed benchmarks (measured by commands, not tests).", no_args_is_help=True)
+app.add_typer(speed_app, name="speed")
+
+
+@speed_app.command("overhead")
+def speed_overhead(model: Annotated[str, typer.Option("--model")] = "ds-tiny", model_path: ModelPathOpt = None,
+                   threads: Annotated[int, typer.Option("--threads", min=1)] = 1,
+                   new_tokens: Annotated[int, typer.Option("--new-tokens", min=2)] = 64,
+                   repeats: Annotated[int, typer.Option("--repeats", min=1)] = 3, as_json: JsonOpt = False):
+    """Resident AR decode with the lean runtime vs transformers' generate (same model, threads, process)."""
+    from bench import speed
+
+    r = speed.overhead(resolve_or_fail(model, model_path), threads, new_tokens, repeats, log=log)
+    r["model"] = model
+    emit(r, as_json, f"{model}, {threads} thread(s): transformers {r['transformers_ms_per_token']['median']:.2f} "
+         f"ms/token, lean {r['lean_resident_ms_per_token']['median']:.2f} ms/token → {r['speedup_median']:.2f}x "
+         f"(tokens identical: {r['tokens_identical']})")
+
+
+@speed_app.command("flash")
+def speed_flash(model: Annotated[str, typer.Option("--model")] = "ds-tiny", model_path: ModelPathOpt = None,
+                expert_type: Annotated[str, typer.Option("--expert-type")] = "bf16",
+                repeats: Annotated[int, typer.Option("--repeats", min=1)] = 20, as_json: JsonOpt = False):
+    """One layer's 6 experts through the flash store vs the disk's O_DIRECT bandwidth for the same size."""
+    from bench import speed
+
+    folder = resolve_or_fail(model, model_path)
+    r = speed.flash(folder, expert_file(model, folder, expert_type), repeats, log=log)
+    r["model"] = model
+    ref = r["odirect_reference"]
+    emit(r, as_json, f"{model} {expert_type}: 6 experts = {r['bytes'] / 2**20:.2f} MiB; reads {r['read_ms']['median']:.2f} ms "
+         f"({r['read_gb_per_s']:.2f} GB/s), load incl. dequant {r['load_ms']['median']:.2f} ms ({r['load_gb_per_s']:.2f} GB/s); "
+         f"O_DIRECT reference {ref.get('gb_per_s_median', float('nan')):.2f} GB/s → efficiency "
+         f"{r.get('read_efficiency', float('nan')):.0%} (reads), {r.get('load_efficiency', float('nan')):.0%} (load)")
+
+
 # ---------------------------------------------------------------- data, tiny models
 
 CORPUS_DIR, DATA_DIR, TRAIN_DIR = WORK_DIR / "corpus", WORK_DIR / "data", WORK_DIR / "train"

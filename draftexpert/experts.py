@@ -9,8 +9,9 @@ accelerator-side cache with an in-flight set; they differ only in how one expert
                    the accelerator is the CPU and the copy runs on a worker thread (a real memcpy
                    into accelerator-side tensors, overlapping compute the same way).
 - `FlashStore`     platform mn: experts in a GGUF file (`draftexpert.gguf_experts`), read with
-                   O_DIRECT by a pool of reader threads (several reads in flight), dequantised on
-                   the accelerator side; a DRAM staging budget bounds the raw bytes kept between steps.
+                   O_DIRECT by a pool of reader threads (several reads in flight), each read into a
+                   page-aligned staging buffer and dequantised on the accelerator side by the same
+                   thread; a DRAM staging budget bounds the raw bytes kept between steps.
 
 An expert reaches the model as (gate_up [2I, H], down [H, I]) in the compute dtype.
 Cache: `cache_experts` expert slots kept on the accelerator between forwards (LRU); 0 — the
@@ -174,7 +175,7 @@ class FlashStore(ExpertStore):
         from draftexpert.gguf_experts import ExpertFile
 
         super().__init__(**kw)
-        self.file = ExpertFile(Path(path))
+        self.file = ExpertFile(Path(path), staging_buffers=io_threads)
         self.pool = ThreadPoolExecutor(io_threads, thread_name_prefix="odirect")
         self.budget = staging_budget_bytes
         self.staged: OrderedDict[Key, bytes] = OrderedDict()  # raw file bytes kept in DRAM
@@ -183,24 +184,29 @@ class FlashStore(ExpertStore):
     def expert_bytes(self, key):
         return 0 if key in self.staged else self.file.expert_nbytes(key[0])
 
+    def _load(self, key, staged):
+        """On a reader thread: O_DIRECT reads into a pooled staging buffer (or the staged DRAM
+        copy), then dequantisation, which frees the buffer at once: a thread holds at most one."""
+        raw = staged if staged is not None else self.file.read_expert(*key)
+        keep = self.file.stage_copy(raw) if self.budget > 0 and staged is None else None
+        return self.file.dequantize(raw, self.device, self.dtype), keep
+
     def _start(self, key):
-        if key in self.staged:
+        staged = self.staged.get(key)
+        if staged is not None:
             self.staged.move_to_end(key)
-            done: Future = Future()
-            done.set_result(self.staged[key])
-            return key, done
-        return key, self.pool.submit(self.file.read_expert, *key)
+        return key, self.pool.submit(self._load, key, staged)
 
     def _finish(self, handle):
         key, fut = handle
-        raw = fut.result()
-        if self.budget > 0 and key not in self.staged:
-            self.staged[key] = raw
-            self.staged_bytes += len(raw.gate_up) + len(raw.down)
+        weights, keep = fut.result()
+        if keep is not None and key not in self.staged:
+            self.staged[key] = keep
+            self.staged_bytes += self.file.staged_nbytes(keep)
             while self.staged_bytes > self.budget and self.staged:
                 _, old = self.staged.popitem(last=False)
-                self.staged_bytes -= len(old.gate_up) + len(old.down)
-        return self.file.dequantize(raw, self.device, self.dtype)
+                self.staged_bytes -= self.file.staged_nbytes(old)
+        return weights
 
     def close(self):
         self.pool.shutdown(wait=True)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import queue
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -81,8 +82,13 @@ def write_expert_gguf(path: Path, experts, meta: dict, qtype: str = "q4_0") -> P
 
 @dataclass
 class RawExpert:
-    gate_up: bytes  # gate rows then up rows, file encoding
-    down: bytes
+    """One expert's file bytes in a staging buffer: gate, up, down at `offsets` (their sizes are
+    the layer's slice sizes). `pooled` buffers go back to the file's staging pool after decoding."""
+
+    layer: int
+    buf: object  # mmap (pooled, page-aligned) or bytearray (a staged copy)
+    offsets: tuple[int, int, int]
+    pooled: bool = True
 
 
 @dataclass
@@ -91,12 +97,13 @@ class _Slice:
     nbytes: int  # bytes of one expert's slice
     shape: tuple[int, int]  # one expert's [rows, cols]
     qtype: str
+    n_experts: int
 
 
 class ExpertFile:
     """Index of a GGUF expert file and O_DIRECT reads of single experts."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, staging_buffers: int = 16):
         import gguf
 
         self.path = Path(path)
@@ -124,7 +131,7 @@ class ExpertFile:
             if t.data_offset + t.n_bytes > size:
                 raise ExpertFileError(f"{self.path}: truncated — tensor {t.name} ends at byte "
                                       f"{t.data_offset + t.n_bytes:,} but the file has {size:,}")
-            self.slices[(layer, part)] = _Slice(t.data_offset, t.n_bytes // n_exp, (rows, cols), names[t.tensor_type])
+            self.slices[(layer, part)] = _Slice(t.data_offset, t.n_bytes // n_exp, (rows, cols), names[t.tensor_type], n_exp)
         if not self.slices:
             raise ExpertFileError(f"{self.path}: holds no routed-expert tensors (blk.N.ffn_*_exps.weight)")
         self.layers = sorted({layer for layer, _ in self.slices})
@@ -133,6 +140,10 @@ class ExpertFile:
             if missing:
                 raise ExpertFileError(f"{self.path}: layer {layer} lacks ffn_{'/'.join(missing)}_exps")
         self.fd = self._open()
+        self.staging: queue.SimpleQueue = queue.SimpleQueue()  # page-aligned buffers, one per read in flight
+        size = self._staging_size()
+        for _ in range(staging_buffers):
+            self.staging.put(mmap.mmap(-1, size))
 
     def _open(self) -> int:
         if not hasattr(os, "O_DIRECT"):
@@ -147,28 +158,62 @@ class ExpertFile:
     def expert_nbytes(self, layer: int) -> int:
         return sum(self.slices[(layer, p)].nbytes for p in PARTS)
 
-    def _read(self, offset: int, nbytes: int) -> bytes:
-        """pread with O_DIRECT: aligned envelope into an aligned buffer, then the exact bytes."""
-        start = offset // ALIGN * ALIGN
-        end = -(-(offset + nbytes) // ALIGN) * ALIGN
-        buf = mmap.mmap(-1, end - start)  # page-aligned staging buffer
-        try:
-            got = os.preadv(self.fd, [buf], start)
-            if got < offset + nbytes - start:
-                raise ExpertFileError(f"{self.path}: short read at {offset:,} (+{nbytes:,}): file truncated?")
-            return buf[offset - start: offset - start + nbytes]
-        finally:
-            buf.close()
+    @staticmethod
+    def _envelope(offset: int, nbytes: int) -> tuple[int, int]:
+        """The 4 KiB-aligned [start, end) around a byte range, as O_DIRECT requires."""
+        return offset // ALIGN * ALIGN, -(-(offset + nbytes) // ALIGN) * ALIGN
+
+    def _staging_size(self) -> int:
+        return max(sum(ALIGN + -(-s.nbytes // ALIGN) * ALIGN for s in (self.slices[(layer, p)] for p in PARTS))
+                   for layer in self.layers)
 
     def read_expert(self, layer: int, e: int) -> RawExpert:
-        g, u, d = (self.slices[(layer, p)] for p in PARTS)
-        return RawExpert(self._read(g.offset + e * g.nbytes, g.nbytes) + self._read(u.offset + e * u.nbytes, u.nbytes),
-                         self._read(d.offset + e * d.nbytes, d.nbytes))
+        """Three O_DIRECT reads (gate, up, down slices of expert e) into one pooled, page-aligned
+        staging buffer; bf16/f16/f32 gate and up land adjacent, so they decode as one [2I, H]."""
+        buf = self.staging.get()
+        view, pos, offsets = memoryview(buf), 0, []
+        try:
+            for part in PARTS:
+                s = self.slices[(layer, part)]
+                off = s.offset + e * s.nbytes
+                start, end = self._envelope(off, s.nbytes)
+                got = os.preadv(self.fd, [view[pos:pos + end - start]], start)
+                if got < off + s.nbytes - start:
+                    raise ExpertFileError(f"{self.path}: short read of {part} expert {e} of layer {layer} "
+                                          f"at byte {off:,}: file truncated?")
+                offsets.append(pos + off - start)
+                pos += end - start
+        except BaseException:
+            view.release()
+            self.staging.put(buf)
+            raise
+        view.release()
+        return RawExpert(layer, buf, tuple(offsets))
+
+    def stage_copy(self, raw: RawExpert) -> RawExpert:
+        """A copy of the expert's bytes that outlives the staging buffer (the DRAM staging budget)."""
+        parts = [bytes(raw.buf[o:o + self.slices[(raw.layer, p)].nbytes]) for o, p in zip(raw.offsets, PARTS)]
+        joined = bytearray(b"".join(parts))
+        return RawExpert(raw.layer, joined, (0, len(parts[0]), len(parts[0]) + len(parts[1])), pooled=False)
+
+    def staged_nbytes(self, raw: RawExpert) -> int:
+        return self.expert_nbytes(raw.layer)
 
     def dequantize(self, raw: RawExpert, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        (rg, cg), (rd, cd) = self.slices[(self.layers[0], "gate")].shape, self.slices[(self.layers[0], "down")].shape
-        qt = self.slices[(self.layers[0], "gate")].qtype
-        return (decode(raw.gate_up, qt, (2 * rg, cg), device, dtype), decode(raw.down, qt, (rd, cd), device, dtype))
+        """(gate_up [2I, H], down [H, I]) in `dtype` on `device`; returns a pooled buffer to the pool."""
+        g, u, d = (self.slices[(raw.layer, p)] for p in PARTS)
+        og, ou, od = raw.offsets
+        try:
+            if ou == og + g.nbytes:  # gate and up adjacent: one decode
+                gate_up = decode(raw.buf, og, 2 * g.nbytes, g.qtype, (2 * g.shape[0], g.shape[1]), device, dtype)
+            else:
+                gate_up = torch.cat([decode(raw.buf, og, g.nbytes, g.qtype, g.shape, device, dtype),
+                                     decode(raw.buf, ou, u.nbytes, u.qtype, u.shape, device, dtype)])
+            down = decode(raw.buf, od, d.nbytes, d.qtype, d.shape, device, dtype)
+        finally:
+            if raw.pooled:
+                self.staging.put(raw.buf)
+        return gate_up, down
 
     def close(self):
         if self.fd >= 0:
@@ -176,15 +221,13 @@ class ExpertFile:
             self.fd = -1
 
 
-def decode(data: bytes, qtype: str, shape: tuple[int, int], device, dtype) -> torch.Tensor:
-    """File bytes of a [rows, cols] matrix → a tensor on `device` (dequantised there)."""
-    raw = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
-    if qtype == "f32":
-        return raw.view(torch.float32).view(shape).to(dtype)
-    if qtype == "f16":
-        return raw.view(torch.float16).view(shape).to(dtype)
-    if qtype == "bf16":
-        return raw.view(torch.bfloat16).view(shape).to(dtype)
+def decode(buf, offset: int, nbytes: int, qtype: str, shape: tuple[int, int], device, dtype) -> torch.Tensor:
+    """`nbytes` file bytes at `offset` of `buf` holding a [rows, cols] matrix → a new tensor in
+    `dtype` on `device` (moved raw, dequantised there; never a view of the staging buffer)."""
+    raw = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=offset).to(device)
+    if qtype in ("f32", "f16", "bf16"):
+        src = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[qtype]
+        return raw.view(src).view(shape).to(dtype, copy=True)
     rows, cols = shape  # q4_0: [rows, cols/32 blocks, 18 bytes]
     blocks = raw.view(rows, cols // 32, 18)
     d = blocks[..., :2].contiguous().view(torch.float16).to(dtype)  # [rows, nb, 1]

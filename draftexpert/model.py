@@ -107,7 +107,7 @@ class KVCache:
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+    return F.rms_norm(x, w.shape, w, eps)
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -152,7 +152,7 @@ class MoEModel:
                 "ln1": w[p + "input_layernorm.weight"], "ln2": w[p + "post_attention_layernorm.weight"],
                 "kv_a": w[p + "self_attn.kv_a_proj_with_mqa.weight"], "kv_ln": w[p + "self_attn.kv_a_layernorm.weight"],
                 "w_uk": kv_b[:, :c.d_nope].contiguous(),  # [n_h, d_n, r_kv]
-                "w_uv": kv_b[:, c.d_nope:].contiguous(),  # [n_h, d_v, r_kv]
+                "w_uv_t": kv_b[:, c.d_nope:].transpose(1, 2).contiguous(),  # [n_h, r_kv, d_v]
                 "o": w[p + "self_attn.o_proj.weight"],
             }
             if c.r_q:
@@ -179,33 +179,38 @@ class MoEModel:
         """x [T, H] → [T, H]; writes positions [cache.length, cache.length + T) of layer i."""
         c, L = self.cfg, self.layers[i]
         T, start = x.shape[0], cache.length
-        q = rms_norm(x @ L["q_a"].T, L["q_ln"], c.eps) @ L["q_b"].T if c.r_q else x @ L["q"].T
+        q = F.linear(rms_norm(F.linear(x, L["q_a"]), L["q_ln"], c.eps), L["q_b"]) if c.r_q else F.linear(x, L["q"])
         q = q.view(T, c.heads, c.d_nope + c.d_rope)
         q_nope, q_pe = q[..., :c.d_nope], rope(q[..., c.d_nope:], cos[:, None], sin[:, None])
-        kv = x @ L["kv_a"].T  # [T, r_kv + d_r]
+        kv = F.linear(x, L["kv_a"])  # [T, r_kv + d_r]
         cache.c_kv[i, start:start + T] = rms_norm(kv[:, :c.r_kv], L["kv_ln"], c.eps)
         cache.k_pe[i, start:start + T] = rope(kv[:, c.r_kv:], cos, sin)
         ckv, kpe = cache.c_kv[i, :start + T], cache.k_pe[i, :start + T]  # [S, r_kv], [S, d_r]
-        q_c = torch.einsum("thd,hdr->htr", q_nope, L["w_uk"])  # absorbed: [n_h, T, r_kv]
+        q_c = torch.bmm(q_nope.transpose(0, 1), L["w_uk"])  # absorbed: [n_h, T, d_n] @ [n_h, d_n, r_kv]
         scores = (q_c @ ckv.T + (q_pe.transpose(0, 1) @ kpe.T)) * self.softmax_scale  # [n_h, T, S]
         if T > 1:  # causal within the new block; every cached position is visible
             mask = torch.ones(T, start + T, dtype=torch.bool).triu(start + 1)
             scores = scores.masked_fill(mask, float("-inf"))
         out_c = scores.softmax(-1) @ ckv  # [n_h, T, r_kv]
-        out = torch.einsum("htr,hvr->thv", out_c, L["w_uv"]).reshape(T, c.heads * c.d_v)
-        return out @ L["o"].T
+        out = torch.bmm(out_c, L["w_uv_t"]).transpose(0, 1).reshape(T, c.heads * c.d_v)  # [n_h, T, d_v] → [T, n_h·d_v]
+        return F.linear(out, L["o"])
 
     @staticmethod
     def mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-        g, u = (x @ gate_up.T).chunk(2, dim=-1)
-        return (F.silu(g) * u) @ down.T
+        g, u = F.linear(x, gate_up).chunk(2, dim=-1)
+        return F.linear(F.silu(g) * u, down)
 
     def moe(self, i: int, x: torch.Tensor, r: int, phase: str) -> torch.Tensor:
         """x [T, H] → shared(x) + Σ_k w_k · expert_k(x) over each token's top-r experts."""
         L = self.layers[i]
-        w, idx = route(x.float() @ L["gate"].T, self.cfg, r, L["bias"])  # [T, r]
+        w, idx = route(F.linear(x.float(), L["gate"]), self.cfg, r, L["bias"])  # [T, r]
         self.last_routing[i] = idx
         out = self.mlp(x, L["shared_gate_up"], L["shared_down"])
+        if x.shape[0] == 1:  # decoding: r distinct experts, no gather / scatter needed
+            chosen, w = idx[0].tolist(), w[0].to(x.dtype)
+            for k, (gu, dn) in enumerate(self.experts.fetch(i, chosen, phase)):
+                out.add_(self.mlp(x, gu, dn), alpha=float(w[k]))
+            return out
         unique = torch.unique(idx).tolist()
         for e, (gu, dn) in zip(unique, self.experts.fetch(i, unique, phase)):
             tok, slot = (idx == e).nonzero(as_tuple=True)  # the tokens that chose e
@@ -235,7 +240,7 @@ class MoEModel:
             x = x + (self.moe(i, h, r or c.top_k, phase) if c.is_moe(i) else
                      self.mlp(h, L["dense_gate_up"], L["dense_down"]))
         cache.length += T
-        return rms_norm(x, self.norm, c.eps) @ self.lm_head.T
+        return F.linear(rms_norm(x, self.norm, c.eps), self.lm_head)
 
 
 def from_hf_model(model) -> MoEModel:

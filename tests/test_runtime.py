@@ -170,3 +170,28 @@ def test_temperature_sampling_is_seeded(checkpoint):
     b = AROffloadDecoder(lean, temperature=0.8, seed=3).generate(PROMPTS[0].tolist(), 16).tokens
     c = AROffloadDecoder(lean, temperature=0.8, seed=4).generate(PROMPTS[0].tolist(), 16).tokens
     assert a == b and a != c
+
+
+def test_staging_budget_keeps_raw_experts_in_dram(checkpoint):
+    _, folder, gguf = checkpoint
+    lean = build_model(folder, "flash", gguf_path=gguf, staging_budget_bytes=1 << 30)
+    dec = AROffloadDecoder(lean)
+    first = dec.generate(PROMPTS[1].tolist(), 8)
+    second = dec.generate(PROMPTS[1].tolist(), 8)
+    assert first.tokens == second.tokens
+    a, b = first.stats["ledger"]["total"], second.stats["ledger"]["total"]
+    assert a["bytes"] > 0 and b["bytes"] == 0 and b["loads"] == a["loads"]  # loaded from DRAM, not the file
+    lean.experts.close()
+
+
+def test_prefetch_then_fetch_never_deadlocks(checkpoint):
+    _, folder, gguf = checkpoint
+    lean = build_model(folder, "flash", gguf_path=gguf, io_threads=2)
+    store = lean.experts
+    assert store.prefetch(1, list(range(16))) == list(range(16))  # more loads in flight than staging buffers
+    assert store.prefetch(1, [0, 1]) == []  # in flight already: not started twice
+    got = store.fetch(2, [3, 5, 7])  # another layer while layer 1 is still loading
+    assert len(got) == 3
+    got = store.fetch(1, [0, 15])  # prefetched: waited for, not reloaded
+    assert len(got) == 2 and not store.inflight.keys() - {(1, e) for e in range(16)}
+    store.close()
