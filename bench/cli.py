@@ -201,27 +201,10 @@ def prompts_fetch():
 # ---------------------------------------------------------------- run
 
 
-PLATFORMS = {"mn": "flash", "cg": "host", "resident": "resident"}
-
-
 def expert_file(model: str, folder: Path, qtype: str, out: Path | None = None) -> Path:
-    """The GGUF expert file of a checkpoint, written once and reused: its name carries a
-    fingerprint of config.json and the shards' names, sizes and mtimes."""
-    import hashlib
+    from bench.runner import expert_file_for
 
-    from bench.sources import cache_dir
-    from draftexpert.loader import convert_experts
-
-    h = hashlib.sha256((folder / "config.json").read_bytes())
-    for p in sorted(folder.glob("*.safetensors")):
-        st = p.stat()
-        h.update(f"{p.name}:{st.st_size}:{st.st_mtime_ns}".encode())
-    path = out or cache_dir() / "gguf" / f"{model}-{qtype}-{h.hexdigest()[:12]}.gguf"
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        log(f"writing the {qtype} expert file {path} (once)")
-        convert_experts(folder, path, qtype)
-    return path
+    return expert_file_for(model, folder, qtype, out, log=log)
 
 
 @app.command()
@@ -277,13 +260,15 @@ def run(model: Annotated[str, typer.Option("--model", help="ds | ml | ds-tiny | 
     import torch
 
     from bench import prompts
-    from bench.runner import CellConfig, run_cells
+    from bench.runner import make_decoder, run_cells
     from bench.telemetry import collect
     from draftexpert.gguf_experts import TYPES, ExpertFileError
     from draftexpert.loader import CheckpointError
 
     if method not in ("ar", "reference"):
         fail(f"--method: {method!r} is not available; available: ar, reference")
+    from bench.runner import PLATFORMS
+
     if platform not in PLATFORMS:
         fail(f"--platform: {platform!r} is not one of {', '.join(PLATFORMS)}")
     if expert_type not in TYPES:
@@ -302,33 +287,13 @@ def run(model: Annotated[str, typer.Option("--model", help="ds | ml | ds-tiny | 
             raise
         fail(f"--from-hub: could not load from the Hugging Face hub ({type(e).__name__}: {e}); it needs the "
              "`datasets` package and network access — the committed suites need neither")
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
-    if method == "reference":
-        from draftexpert.checkpoint import load_target
-        from draftexpert.reference import ReferenceDecoder
-
-        decoder = ReferenceDecoder(load_target(folder)[0])
-        cfg = CellConfig(model=model, method=method, platform="resident", max_new_tokens=max_new_tokens)
-    else:
-        from baselines.ar import AROffloadDecoder
-        from draftexpert.loader import build_model
-
-        store = PLATFORMS[platform]
-        device = "cuda" if platform == "cg" and torch.cuda.is_available() else "cpu"
-        try:
-            gguf = expert_file(model, folder, expert_type) if store == "flash" else None
-            target = build_model(folder, store, device=device, gguf_path=gguf, cache_experts=cache_experts,
-                                 staging_budget_bytes=staging_budget)
-        except (CheckpointError, ExpertFileError, ValueError) as e:
-            fail(str(e))
-        decoder = AROffloadDecoder(target, temperature=temperature, seed=seed)
-        args = {"store": store, "device": device, "cache_experts": cache_experts}
-        if store == "flash":
-            args.update(expert_type=expert_type, staging_budget=staging_budget)
-        cfg = CellConfig(model=model, method=method, platform=platform, max_new_tokens=max_new_tokens,
-                         temperature=temperature, seed=seed, method_args=args)
+    try:
+        decoder, tokenizer, cfg = make_decoder(model, folder, method, platform, expert_type=expert_type,
+                                               cache_experts=cache_experts, staging_budget=staging_budget,
+                                               temperature=temperature, seed=seed, max_new_tokens=max_new_tokens,
+                                               expert_file=lambda qt: expert_file(model, folder, qt))
+    except (CheckpointError, ExpertFileError, ValueError) as e:
+        fail(str(e))
     run_dir = out or (REPO_ROOT / "runs" / f"{model}-{method}-{cfg.platform}")
     summary = run_cells(cfg, recs, decoder, tokenizer, run_dir, machine=collect(run_dir, measure_io=True), log=log)
     emit(summary, as_json, f"{summary['written']} written, {summary['skipped']} already done → {run_dir}")

@@ -14,7 +14,6 @@ from bench.results import write_json_atomic
 
 # What the paper has that this checkout cannot regenerate yet, and which capability brings it.
 PENDING = [
-    ("Fig. 1b decode-time breakdown of AR offload", "expert-offload runtime + AR baseline"),
     ("Table 2 decode TPS / speed-up", "runtime, speculative decoding, trained draft experts"),
     ("Fig. 2 / Table 3 drafter cost vs acceptance", "speculative decoding"),
     ("Fig. 3 draft-side unique experts vs length", "speculative decoding"),
@@ -22,6 +21,37 @@ PENDING = [
     ("Table 4 truncation and prefetch", "speculative decoding"),
     ("Table 5 distillation ablation", "self-distilled draft experts"),
 ]
+
+
+FIG1B_MODEL = "ds-tiny"
+FIG1B_PER_SUITE = 2
+FIG1B_TOKENS = 64
+FIG1B_CELLS = [("mn", "q4_0"), ("mn", "bf16"), ("cg", "q4_0")]  # cg ignores the expert type (host pool, fp32)
+
+
+def fig1b_runs(results_dir: Path, log) -> list[str]:
+    """AR-offload runs for Fig. 1b (resumable: finished prompts are skipped), then the figure."""
+    from bench import prompts, registry
+    from bench.results import load_results
+    from bench.runner import expert_file_for, make_decoder, run_cells
+    from bench.telemetry import collect
+    from paper_figs import fig1b
+
+    folder = registry.resolve(FIG1B_MODEL)
+    recs = prompts.load(limit=FIG1B_PER_SUITE)
+    runs = results_dir / "runs"
+    machine = collect(results_dir)
+    for platform, qtype in FIG1B_CELLS:
+        decoder, tok, cfg = make_decoder(FIG1B_MODEL, folder, "ar", platform, expert_type=qtype,
+                                         max_new_tokens=FIG1B_TOKENS,
+                                         expert_file=lambda qt: expert_file_for(FIG1B_MODEL, folder, qt, log=log))
+        name = f"fig1b-{FIG1B_MODEL}-{platform}" + (f"-{qtype}" if platform == "mn" else "")
+        run_cells(cfg, recs, decoder, tok, runs / name, machine=machine, log=log)
+        decoder.model.experts.close()
+    b = fig1b.breakdown(load_results(*[runs / d for d in sorted(p.name for p in runs.iterdir() if p.name.startswith("fig1b-"))]))
+    (results_dir / "fig1b_breakdown.md").write_text(fig1b.table(b))
+    figs = fig1b.figure(b, results_dir / "figures" / "fig1b_breakdown")
+    return ["results/runs/fig1b-*", "results/fig1b_breakdown.md", *[str(p.relative_to(results_dir.parent)) for p in figs]]
 
 
 def reproduce(results_dir: Path, log=lambda m: print(m, file=sys.stderr)) -> dict:
@@ -49,6 +79,11 @@ def reproduce(results_dir: Path, log=lambda m: print(m, file=sys.stderr)) -> dic
     (results_dir / "fig1a_params.md").write_text(fig1a.table(df))
     done += ["results/params/*.json", "results/fig1a_params.md",
              *[str(p.relative_to(results_dir.parent)) for p in fig1a.figure(df, figs_dir / "fig1a_params")]]
+    if registry.is_present(FIG1B_MODEL):
+        log(f"Fig. 1b: AR offload of {FIG1B_MODEL} on mn (q4_0, bf16) and cg, {FIG1B_PER_SUITE} prompts per suite")
+        done += fig1b_runs(results_dir, log)
+    else:
+        log(f"Fig. 1b skipped: {FIG1B_MODEL} is not present")
     for item, needs in PENDING:
         log(f"pending: {item} (needs: {needs})")
     summary = {"written": done, "pending": [{"result": i, "needs": n} for i, n in PENDING]}

@@ -161,6 +161,7 @@ class RunManifest:
     """manifest.json of a run folder; each session appends {start, end, status, argv}."""
 
     def __init__(self, run_dir: Path, config: dict, machine: dict | None = None):
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
         self.path = Path(run_dir) / "manifest.json"
         old = json.loads(self.path.read_text()) if self.path.exists() else {}
         self.data = {

@@ -31,6 +31,63 @@ class CellConfig:
     method_args: dict = field(default_factory=dict)  # r, k_max, tau, budget, truncate, prefetch …
 
 
+PLATFORMS = {"mn": "flash", "cg": "host", "resident": "resident"}  # platform → expert store
+
+
+def expert_file_for(model: str, folder: Path, qtype: str, out: Path | None = None,
+                    log: Callable[[str], None] = lambda m: print(m, file=sys.stderr)) -> Path:
+    """The GGUF expert file of a checkpoint, written once and reused: its name carries a
+    fingerprint of config.json and the shards' names, sizes and mtimes."""
+    import hashlib
+
+    from bench.sources import cache_dir
+    from draftexpert.loader import convert_experts
+
+    h = hashlib.sha256((folder / "config.json").read_bytes())
+    for p in sorted(folder.glob("*.safetensors")):
+        st = p.stat()
+        h.update(f"{p.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    path = out or cache_dir() / "gguf" / f"{model}-{qtype}-{h.hexdigest()[:12]}.gguf"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        log(f"writing the {qtype} expert file {path} (once)")
+        convert_experts(folder, path, qtype)
+    return path
+
+
+def make_decoder(model: str, folder: Path, method: str, platform: str, expert_type: str = "q4_0",
+                 cache_experts: int = 0, staging_budget: int = 0, temperature: float = 0.0, seed: int = 0,
+                 max_new_tokens: int = 64, expert_file: Callable[[str], Path] | None = None):
+    """(decoder, tokenizer, cell config) for a method on a platform. `expert_file(type)` gives
+    the GGUF expert file of the checkpoint (written once) for platform mn."""
+    import torch
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    if method == "reference":
+        from draftexpert.checkpoint import load_target
+        from draftexpert.reference import ReferenceDecoder
+
+        cfg = CellConfig(model=model, method=method, platform="resident", max_new_tokens=max_new_tokens)
+        return ReferenceDecoder(load_target(folder)[0]), tokenizer, cfg
+    if method != "ar":
+        raise ValueError(f"unknown method {method!r}")
+    from baselines.ar import AROffloadDecoder
+    from draftexpert.loader import build_model
+
+    store = PLATFORMS[platform]
+    device = "cuda" if platform == "cg" and torch.cuda.is_available() else "cpu"
+    gguf = expert_file(expert_type) if store == "flash" else None
+    target = build_model(folder, store, device=device, gguf_path=gguf, cache_experts=cache_experts,
+                         staging_budget_bytes=staging_budget)
+    args = {"store": store, "device": device, "cache_experts": cache_experts}
+    if store == "flash":
+        args.update(expert_type=expert_type, staging_budget=staging_budget)
+    cfg = CellConfig(model=model, method=method, platform=platform, max_new_tokens=max_new_tokens,
+                     temperature=temperature, seed=seed, method_args=args)
+    return AROffloadDecoder(target, temperature=temperature, seed=seed), tokenizer, cfg
+
+
 def render_prompt(tokenizer, text: str) -> list[int]:
     """User message → token ids through the tokenizer's chat template, generation prompt added."""
     ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,

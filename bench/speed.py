@@ -72,11 +72,12 @@ def flash(folder: Path, gguf: Path, repeats: int = 20, layer: int | None = None,
     rng = random.Random(0)
     E = f.slices[(layer, "gate")].n_experts
     read_s, load_s = [], []
-    pool = ThreadPoolExecutor(top_k)
+    pool = ThreadPoolExecutor(store.pool._max_workers)  # the same number of reads in flight as the store
     for _ in range(repeats):
         chosen = rng.sample(range(E), top_k)
         t0 = time.perf_counter()
-        list(pool.map(lambda e: f.read_expert(layer, e), chosen))
+        for raw in list(pool.map(lambda e: f.read_expert(layer, e), chosen)):
+            f.release(raw)
         read_s.append(time.perf_counter() - t0)
         chosen = rng.sample(range(E), top_k)
         t0 = time.perf_counter()

@@ -190,6 +190,11 @@ class ExpertFile:
         view.release()
         return RawExpert(layer, buf, tuple(offsets))
 
+    def release(self, raw: RawExpert) -> None:
+        """Give a pooled staging buffer back without decoding it (a reader that only measures)."""
+        if raw.pooled:
+            self.staging.put(raw.buf)
+
     def stage_copy(self, raw: RawExpert) -> RawExpert:
         """A copy of the expert's bytes that outlives the staging buffer (the DRAM staging budget)."""
         parts = [bytes(raw.buf[o:o + self.slices[(raw.layer, p)].nbytes]) for o, p in zip(raw.offsets, PARTS)]
@@ -211,8 +216,7 @@ class ExpertFile:
                                      decode(raw.buf, ou, u.nbytes, u.qtype, u.shape, device, dtype)])
             down = decode(raw.buf, od, d.nbytes, d.qtype, d.shape, device, dtype)
         finally:
-            if raw.pooled:
-                self.staging.put(raw.buf)
+            self.release(raw)
         return gate_up, down
 
     def close(self):

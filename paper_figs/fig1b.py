@@ -1,0 +1,71 @@
+"""Fig. 1b: where AR-offload decode time goes — loading experts vs computing — per platform,
+from AR run records (`bench run --method ar`). Pure: reads records, writes a table and a figure.
+
+Per cell (platform, expert type), over all its records:
+  loading ms/token = Σ decode_stall_s / Σ (new_tokens − 1) · 1000
+  compute ms/token = Σ decode_compute_s / Σ (new_tokens − 1) · 1000
+  other ms/token   = Σ (decode_s − decode_stall_s − decode_compute_s) / Σ (new_tokens − 1) · 1000
+  loading share    = Σ decode_stall_s / Σ (decode_stall_s + decode_compute_s)
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import pandas as pd  # noqa: E402
+
+
+def breakdown(records: pd.DataFrame) -> pd.DataFrame:
+    df = records[records["method"] == "ar"].copy()
+    df["expert_type"] = df["method_args"].map(lambda a: a.get("expert_type", "—") if isinstance(a, dict) else "—")
+    df["device"] = df["method_args"].map(lambda a: a.get("device", "?") if isinstance(a, dict) else "?")
+    df["decode_tokens"] = df["new_tokens"] - 1
+    df["other_s"] = df["decode_s"] - df["decode_stall_s"] - df["decode_compute_s"]
+    g = df.groupby(["model", "platform", "expert_type", "device"], sort=False)
+    s = g[["decode_stall_s", "decode_compute_s", "other_s", "decode_tokens", "decode_bytes", "decode_loads"]].sum()
+    out = pd.DataFrame({
+        "prompts": g.size(),
+        "loading_ms_per_token": 1000 * s.decode_stall_s / s.decode_tokens,
+        "compute_ms_per_token": 1000 * s.decode_compute_s / s.decode_tokens,
+        "other_ms_per_token": 1000 * s.other_s / s.decode_tokens,
+        "loading_share": s.decode_stall_s / (s.decode_stall_s + s.decode_compute_s),
+        "mib_per_token": s.decode_bytes / s.decode_tokens / 2**20,
+        "experts_per_token": s.decode_loads / s.decode_tokens,
+        "decode_tps": s.decode_tokens / (s.decode_stall_s + s.decode_compute_s + s.other_s),
+    })
+    return out.reset_index()
+
+
+def table(b: pd.DataFrame) -> str:
+    lines = ["| model | platform | experts as | device | prompts | loading ms/tok | compute ms/tok | other ms/tok | loading share | MiB/tok | decode tok/s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in b.itertuples():
+        lines.append(f"| {r.model} | {r.platform} | {r.expert_type} | {r.device} | {r.prompts} | {r.loading_ms_per_token:.2f} | "
+                     f"{r.compute_ms_per_token:.2f} | {r.other_ms_per_token:.2f} | {100 * r.loading_share:.0f}% | "
+                     f"{r.mib_per_token:.2f} | {r.decode_tps:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def figure(b: pd.DataFrame, out_stem: Path) -> list[Path]:
+    labels = [f"{r.platform}\n{r.expert_type}\n({r.device})" for r in b.itertuples()]
+    fig, ax = plt.subplots(figsize=(1.6 + 1.3 * len(b), 3.4))
+    ax.bar(labels, b.loading_ms_per_token, color="#c44e52", label="expert loading (stall)")
+    ax.bar(labels, b.compute_ms_per_token, bottom=b.loading_ms_per_token, color="#4c72b0", label="compute")
+    ax.bar(labels, b.other_ms_per_token, bottom=b.loading_ms_per_token + b.compute_ms_per_token, color="#aaaaaa",
+           label="other (sampling, Python)")
+    for i, r in enumerate(b.itertuples()):
+        total = r.loading_ms_per_token + r.compute_ms_per_token + r.other_ms_per_token
+        ax.text(i, total, f"{100 * r.loading_share:.0f}% loading", ha="center", va="bottom", fontsize=8)
+    ax.set_ylabel("ms per decoded token")
+    ax.set_title(f"Fig. 1b — AR-offload decode time ({', '.join(sorted(set(b.model)))}, measured)", fontsize=10)
+    ax.legend(fontsize=8, loc="upper left")
+    ax.set_ylim(0, (b.loading_ms_per_token + b.compute_ms_per_token + b.other_ms_per_token).max() * 1.35)
+    fig.tight_layout()
+    out = [out_stem.with_suffix(".png"), out_stem.with_suffix(".pdf")]
+    for p in out:
+        fig.savefig(p, dpi=150)
+    plt.close(fig)
+    return out
