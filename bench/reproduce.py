@@ -27,6 +27,7 @@ FIG1B_MODEL = "ds-tiny"
 FIG1B_PER_SUITE = 2
 FIG1B_TOKENS = 64
 FIG1B_CELLS = [("mn", "q4_0"), ("mn", "bf16"), ("cg", "q4_0")]  # cg ignores the expert type (host pool, fp32)
+FIG1B_THREADS = 1  # timings on one thread: comparable across machines with more cores, and with a busy neighbour
 
 
 def fig1b_runs(results_dir: Path, log) -> list[str]:
@@ -37,6 +38,9 @@ def fig1b_runs(results_dir: Path, log) -> list[str]:
     from bench.telemetry import collect
     from paper_figs import fig1b
 
+    import torch
+
+    torch.set_num_threads(FIG1B_THREADS)
     folder = registry.resolve(FIG1B_MODEL)
     recs = prompts.load(limit=FIG1B_PER_SUITE)
     runs = results_dir / "runs"

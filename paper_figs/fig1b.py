@@ -36,7 +36,8 @@ def breakdown(records: pd.DataFrame) -> pd.DataFrame:
         "experts_per_token": s.decode_loads / s.decode_tokens,
         "decode_tps": s.decode_tokens / (s.decode_stall_s + s.decode_compute_s + s.other_s),
     })
-    return out.reset_index()
+    return out.reset_index().sort_values(["model", "platform", "expert_type"], ascending=[True, False, True],
+                                         ignore_index=True)
 
 
 def table(b: pd.DataFrame) -> str:
