@@ -52,7 +52,8 @@ def fig1b_runs(results_dir: Path, log) -> list[str]:
         name = f"fig1b-{FIG1B_MODEL}-{platform}" + (f"-{qtype}" if platform == "mn" else "")
         run_cells(cfg, recs, decoder, tok, runs / name, machine=machine, log=log)
         decoder.model.experts.close()
-    b = fig1b.breakdown(load_results(*[runs / d for d in sorted(p.name for p in runs.iterdir() if p.name.startswith("fig1b-"))]))
+    b = fig1b.breakdown(load_results(*[runs / d for d in sorted(p.name for p in runs.iterdir() if p.name.startswith("fig1b-"))]),
+                        machine_id=machine["machine_id"])
     (results_dir / "fig1b_breakdown.md").write_text(fig1b.table(b))
     figs = fig1b.figure(b, results_dir / "figures" / "fig1b_breakdown")
     return ["results/runs/fig1b-*", "results/fig1b_breakdown.md", *[str(p.relative_to(results_dir.parent)) for p in figs]]

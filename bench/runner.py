@@ -115,8 +115,12 @@ def run_cells(cfg: CellConfig, prompts: list[dict], decoder: Decoder, tokenizer,
               machine: dict | None = None, log: Callable[[str], None] = lambda m: print(m, file=sys.stderr),
               run_name: str | None = None) -> dict:
     """Decode every prompt not yet in `run_dir`; return a summary of this session."""
+    from bench.telemetry import machine_id
+
     conf = asdict(cfg)
-    h = config_hash(conf)
+    mid = (machine or {}).get("machine_id") or machine_id()
+    ident = {**conf, "machine_id": mid}  # the same cell on another machine is a new cell
+    h = config_hash(ident)
     manifest = RunManifest(run_dir, conf, machine)
     written = skipped = 0
     status = "interrupted"
@@ -125,14 +129,14 @@ def run_cells(cfg: CellConfig, prompts: list[dict], decoder: Decoder, tokenizer,
             if store.repaired_bytes:
                 log(f"repaired a torn last record ({store.repaired_bytes} bytes) in {store.path}; it will be redone")
             for p in prompts:
-                key = cell_key(conf, p["id"])
+                key = cell_key(ident, p["id"])
                 if key in store.done:
                     skipped += 1
                     continue
                 ids = render_prompt(tokenizer, p["prompt"])
                 out = decoder.generate(ids, cfg.max_new_tokens, tokenizer.eos_token_id)
                 record = {
-                    "key": key, "run": run_name or Path(run_dir).name, "config_hash": h, **conf,
+                    "key": key, "run": run_name or Path(run_dir).name, "config_hash": h, "machine_id": mid, **conf,
                     "prompt_id": p["id"], "category": p["category"], "prompt_tokens": len(ids),
                     "tokens": out.tokens, "new_tokens": len(out.tokens),
                     "prefill_s": out.prefill_s, "decode_s": out.decode_s, "decode_tps": out.decode_tps,

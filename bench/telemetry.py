@@ -156,13 +156,28 @@ def versions() -> dict:
     return out
 
 
+def machine_id(t: dict | None = None) -> str:
+    """12 hex digits identifying the machine a measurement was made on (host name, CPU model,
+    cores, RAM, GPUs): part of every result cell's key, so results from another machine are
+    measured anew rather than skipped as done."""
+    import hashlib
+    import json
+
+    t = t or {"hostname": platform.node(), "cpu": cpu(), "memory": memory(), "gpus": gpus()}
+    gpu = [g["name"] for g in t["gpus"]] if isinstance(t["gpus"], list) else []
+    ident = [t["hostname"], t["cpu"]["model"], t["cpu"]["logical_cores"], round(t["memory"]["total_gib"]), gpu]
+    return hashlib.sha256(json.dumps(ident).encode()).hexdigest()[:12]
+
+
 def collect(storage_path: Path | None = None, block_size: int = 1 << 20, measure_io: bool = True) -> dict:
     """Everything above as one dict (the `machine` block of a run manifest)."""
     storage_path = storage_path or Path.cwd()
-    return {
+    t = {
         "hostname": platform.node(), "os": f"{platform.system()} {platform.release()}",
         "cpu": cpu(), "memory": memory(),
         "storage": {**storage_device(storage_path),
                     "odirect_read": odirect_read_bandwidth(storage_path, block_size) if measure_io else None},
         "gpus": gpus(), "versions": versions(),
     }
+    t["machine_id"] = machine_id(t)
+    return t

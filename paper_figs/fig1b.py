@@ -18,8 +18,12 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
 
-def breakdown(records: pd.DataFrame) -> pd.DataFrame:
+def breakdown(records: pd.DataFrame, machine_id: str | None = None) -> pd.DataFrame:
+    """Per-cell time breakdown; only records of `machine_id` when given (results of several
+    machines can share a run folder)."""
     df = records[records["method"] == "ar"].copy()
+    if machine_id is not None:
+        df = df[df["machine_id"] == machine_id]
     df["expert_type"] = df["method_args"].map(lambda a: a.get("expert_type", "—") if isinstance(a, dict) else "—")
     df["device"] = df["method_args"].map(lambda a: a.get("device", "?") if isinstance(a, dict) else "?")
     df["decode_tokens"] = df["new_tokens"] - 1
