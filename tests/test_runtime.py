@@ -53,19 +53,28 @@ def checkpoint(request, disk):
     return model, folder, convert_experts(folder, disk / f"{request.param}-f32.gguf", "f32")
 
 
-PROMPTS = [torch.randint(0, 300, (n,), generator=torch.Generator().manual_seed(n)) for n in (3, 7, 12)]
+PROMPTS = [torch.randint(0, 300, (n,), generator=torch.Generator().manual_seed(n)) for n in (3, 7, 12, 2, 5, 9, 16, 4, 11, 20)]
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint):
+    """transformers' prompt logits and 64-token greedy continuation (to EOS, as generate stops) per prompt."""
+    hf = checkpoint[0]
+    out = []
+    with torch.no_grad():
+        for ids in PROMPTS:
+            out.append((hf(ids[None]).logits[0], hf.generate(ids[None], max_new_tokens=64, do_sample=False)[0, len(ids):].tolist()))
+    return out
 
 
 @pytest.mark.parametrize("store", ["resident", "host", "flash"])
-def test_every_store_matches_transformers(checkpoint, store):
+def test_every_store_matches_transformers(checkpoint, reference, store):
+    """10 prompts: prompt logits within 1e-4, and identical 64-token greedy continuations."""
     hf, folder, gguf = checkpoint
     lean = build_model(folder, store, gguf_path=gguf)
-    for ids in PROMPTS:
-        with torch.no_grad():
-            ref = hf(ids[None]).logits[0]
-        assert (lean.forward(ids, KVCache(lean.cfg, 128)) - ref).abs().max() < 1e-4
-        want = hf.generate(ids[None], max_new_tokens=32, do_sample=False)[0, len(ids):].tolist()
-        out = AROffloadDecoder(lean).generate(ids.tolist(), 32, hf.generation_config.eos_token_id)
+    for ids, (ref_logits, want) in zip(PROMPTS, reference):
+        assert (lean.forward(ids, KVCache(lean.cfg, 128)) - ref_logits).abs().max() < 1e-4
+        out = AROffloadDecoder(lean).generate(ids.tolist(), 64, hf.generation_config.eos_token_id)
         assert out.tokens == want
     lean.experts.close()
 
