@@ -404,7 +404,7 @@ def model_train(model: Annotated[str, typer.Option("--model", help="ds-tiny | ml
     final = train(cfg, DATA_DIR, train_dir, log=log)
     if install:
         dest = install_run(final, registry.EMBEDDED_DIR / model, train_dir, CORPUS_DIR)
-        _eval_and_card(model, dest, limit=64)
+        _eval_and_card(model, dest, limit=128)
 
 
 def _eval_and_card(model: str, folder: Path, limit: int | None) -> dict:
@@ -440,7 +440,8 @@ def _evaluate(model: str, folder: Path, limit: int | None, continuations: bool) 
 @model_app.command("eval")
 def model_eval(model: Annotated[str, typer.Option("--model", help="ds-tiny | ml-tiny")] = "ds-tiny",
                model_path: ModelPathOpt = None,
-               limit: Annotated[int | None, typer.Option("--limit", min=1, help="Validation sequences (512 tokens).")] = 64,
+               limit: Annotated[int | None, typer.Option("--limit", min=1, help="Validation sequences of 512 tokens, "
+                                                         "spread evenly over the split (default 128).")] = 128,
                card: Annotated[bool, typer.Option("--card", help="Also rewrite the model card from this evaluation.")] = False,
                as_json: JsonOpt = False):
     """Validation perplexity vs the unigram baseline, and per-layer expert usage."""

@@ -24,13 +24,14 @@ Two constraints pull against each other (the paper's regime vs this machine):
   ~1–2.7 GB/s for 0.1–1 MiB reads. With hidden 256 and `moe_intermediate_size` 128 one routed
   expert is 3·256·128 = 98,304 parameters = **192 KiB in bf16** (54 KiB in Q4_0); a token loads
   6 experts × 5 MoE layers = 30 experts = **5.6 MiB** (bf16), i.e. ~2–4 ms of storage time, the
-  same order as the compute. `../shared/notes/runtime-calibration.md` measured this shape:
-  loading is 49–64% of a lean compiled step at bf16. Intermediate 256 would double the bytes
-  (58–65%) but also the weights.
+  same order as the compute. A calibration run on this machine class before the project began
+  (a throwaway lean step, random weights, this shape) put loading at 49–64% of a compiled decode
+  step at bf16; intermediate 256 would double the bytes (58–65%) but also the weights. The
+  project's own measurement is Fig. 1b (`results/fig1b_breakdown.md`).
 - **Size and training budget.** The committed weights of both models must stay under ~150 MB
   (bf16): at intermediate 128 each model is {total_m:.1f}M parameters = {mb:.0f} MB in bf16, so both
-  together are {mb2:.0f} MB; intermediate 256 would be ~130 MB each. The shape trains at roughly
-  600 tokens/s per core here, so ~2 CPU-hours buy a few million tokens.
+  together are {mb2:.0f} MB; intermediate 256 would be ~130 MB each. This shape trained at a median
+  {tok_s:.0f} tokens/s on one thread here (this run's log), so ~1.5 CPU-hours buy a few million tokens.
 - **Routed experts dominate the weights**: {routed_pct:.1f}% here (the bar is ≥ 80%; 91.6% in ds),
   because the embedding and attention are small (vocab 4,096, 8 heads, kv_lora 64).
 """
@@ -127,7 +128,8 @@ def write_card(folder: Path, name: str, reproduce_cmd: str) -> Path:
         f" MoE layers) {6 * b['n_routed_experts_total'] // cfg['n_routed_experts'] * b['routed_expert_mib_bf16']:.1f} MiB bf16",
         "",
         WHY.format(total_m=b["total"] / 1e6, mb=2 * b["total"] / 1e6, mb2=4 * b["total"] / 1e6,
-                   routed_pct=100 * b["routed_share"]),
+                   routed_pct=100 * b["routed_share"],
+                   tok_s=float(np.median([r["tokens_per_s"] for r in log if "tokens_per_s" in r]))),
         "## Training", "",
         f"- corpus: {sum(s['train_bytes'] for s in corpus['sources']) / 2**20:.1f} MiB of offline prose and code "
         f"({', '.join(s['name'] for s in corpus['sources'])}); documents sharing a {corpus['ngram']}-word sequence with any "
@@ -135,7 +137,8 @@ def write_card(folder: Path, name: str, reproduce_cmd: str) -> Path:
         f"- {tcfg['steps']} steps × {tcfg['batch_size']} × {tcfg['seq_len']} tokens = **{tokens_seen / 1e6:.2f}M tokens seen**;"
         f" AdamW lr {tcfg['lr']} (warm-up {tcfg['warmup']}, cosine to {tcfg['min_lr_ratio']}×), weight decay "
         f"{tcfg['weight_decay']}, bf16 autocast, seed {tcfg['seed']}, {tcfg['threads']} CPU thread(s)"
-        + (f", wall time {wall_s / 60:.0f} min" if wall_s else ""),
+        + (f", wall time {wall_s / 60:.0f} min" + ("" if "elapsed_s" in log[-1] else
+                                                     " (from the logged throughput; evaluation time not included)")),
         f"- load balancing: {balance}", "",
         "![loss curve](loss_curve.png)", "",
         f"## Evaluation (`bench model eval --model {name} --limit {ev['sequences']}`)", "",

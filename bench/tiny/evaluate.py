@@ -19,10 +19,12 @@ import torch.nn.functional as F
 
 
 def windows(data: np.ndarray, seq_len: int, limit: int | None) -> list[np.ndarray]:
-    """Consecutive non-overlapping windows of seq_len + 1 tokens from the start of the split."""
-    n = (len(data) - 1) // seq_len
-    n = min(n, limit) if limit else n
-    return [np.asarray(data[i * seq_len: i * seq_len + seq_len + 1], dtype=np.int64) for i in range(n)]
+    """`limit` non-overlapping windows of seq_len + 1 tokens spread evenly over the whole split
+    (the split is ordered by source, so its first windows would all be one source); all when None."""
+    avail = (len(data) - 1) // seq_len
+    n = min(avail, limit) if limit else avail
+    stride = avail // n
+    return [np.asarray(data[i * stride * seq_len: i * stride * seq_len + seq_len + 1], dtype=np.int64) for i in range(n)]
 
 
 def unigram_logprobs(train: np.ndarray, vocab: int) -> np.ndarray:
