@@ -41,7 +41,7 @@ class AROffloadDecoder:
         ledger = self.model.experts.ledger
         ledger.reset()
         gen = torch.Generator().manual_seed(self.seed) if self.temperature > 0 else None
-        cache = KVCache(self.model.cfg, min(self.max_len, len(prompt_ids) + max_new_tokens))
+        cache = KVCache.for_model(self.model, min(self.max_len, len(prompt_ids) + max_new_tokens))
         t0 = time.perf_counter()
         tokens = [sample(prefill(self.model, torch.tensor(prompt_ids), cache), self.temperature, gen)]
         t1 = time.perf_counter()

@@ -99,6 +99,11 @@ class KVCache:
         self.length = 0
         self.max_len = max_len
 
+    @classmethod
+    def for_model(cls, model: MoEModel, max_len: int) -> KVCache:
+        """A cache on the model's device, in its dtype."""
+        return cls(model.cfg, max_len, device=model.embed.device, dtype=model.embed.dtype)
+
     def crop(self, length: int) -> None:
         """Forget every position ≥ length (rejected draft tokens)."""
         if not 0 <= length <= self.length:
@@ -172,6 +177,16 @@ class MoEModel:
                 lay["dense_down"] = d[2]
             self.layers.append(lay)
         self.last_routing: dict[int, torch.Tensor] = {}
+        self._cos = self._sin = torch.empty(0, c.d_rope // 2)  # rope tables, grown on demand
+
+    def rope_tables(self, start: int, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, d_r/2] for positions start … start+T−1 (cached; attention_scaling applied)."""
+        if start + T > self._cos.shape[0]:
+            n = max(start + T, 2 * self._cos.shape[0], 256)
+            ang = torch.arange(n, dtype=torch.float32)[:, None] * self.inv_freq[None]
+            dev, dt = self.embed.device, self.embed.dtype
+            self._cos, self._sin = (ang.cos() * self.rope_scale).to(dev, dt), (ang.sin() * self.rope_scale).to(dev, dt)
+        return self._cos[start:start + T], self._sin[start:start + T]
 
     # -- blocks ---------------------------------------------------------------------------
 
@@ -189,7 +204,7 @@ class MoEModel:
         q_c = torch.bmm(q_nope.transpose(0, 1), L["w_uk"])  # absorbed: [n_h, T, d_n] @ [n_h, d_n, r_kv]
         scores = (q_c @ ckv.T + (q_pe.transpose(0, 1) @ kpe.T)) * self.softmax_scale  # [n_h, T, S]
         if T > 1:  # causal within the new block; every cached position is visible
-            mask = torch.ones(T, start + T, dtype=torch.bool).triu(start + 1)
+            mask = torch.ones(T, start + T, dtype=torch.bool, device=x.device).triu(start + 1)
             scores = scores.masked_fill(mask, float("-inf"))
         out_c = scores.softmax(-1) @ ckv  # [n_h, T, r_kv]
         out = torch.bmm(out_c, L["w_uv_t"]).transpose(0, 1).reshape(T, c.heads * c.d_v)  # [n_h, T, d_v] → [T, n_h·d_v]
@@ -207,9 +222,9 @@ class MoEModel:
         self.last_routing[i] = idx
         out = self.mlp(x, L["shared_gate_up"], L["shared_down"])
         if x.shape[0] == 1:  # decoding: r distinct experts, no gather / scatter needed
-            chosen, w = idx[0].tolist(), w[0].to(x.dtype)
-            for k, (gu, dn) in enumerate(self.experts.fetch(i, chosen, phase)):
-                out.add_(self.mlp(x, gu, dn), alpha=float(w[k]))
+            chosen, weights = idx[0].tolist(), w[0].tolist()  # one host sync for all r
+            for wk, (gu, dn) in zip(weights, self.experts.fetch(i, chosen, phase)):
+                out.add_(self.mlp(x, gu, dn), alpha=wk)
             return out
         unique = torch.unique(idx).tolist()
         for e, (gu, dn) in zip(unique, self.experts.fetch(i, unique, phase)):
@@ -230,9 +245,8 @@ class MoEModel:
 
     def _forward(self, ids, cache, r, phase):
         c, T = self.cfg, ids.shape[0]
-        pos = torch.arange(cache.length, cache.length + T, dtype=torch.float32)
-        ang = pos[:, None] * self.inv_freq[None]
-        cos, sin = ang.cos() * self.rope_scale, ang.sin() * self.rope_scale  # [T, d_r/2]
+        ids = ids.to(self.embed.device)
+        cos, sin = self.rope_tables(cache.length, T)  # [T, d_r/2]
         x = self.embed[ids]
         for i, L in enumerate(self.layers):
             x = x + self.attention(i, rms_norm(x, L["ln1"], c.eps), cache, cos, sin)
