@@ -392,7 +392,7 @@ def model_train(model: Annotated[str, typer.Option("--model", help="ds-tiny | ml
 
     The committed models were made with the defaults, both trained at once, one thread each."""
     from bench.tiny import corpus, tokenizer
-    from bench.tiny.train import TrainConfig, install as install_run, train
+    from bench.tiny.train import TrainConfig, install as install_run, rebalance_bias, train
 
     _tiny(model)
     if not (CORPUS_DIR / "train.jsonl").exists():
@@ -404,7 +404,9 @@ def model_train(model: Annotated[str, typer.Option("--model", help="ds-tiny | ml
     final = train(cfg, DATA_DIR, train_dir, log=log)
     if install:
         dest = install_run(final, registry.EMBEDDED_DIR / model, train_dir, CORPUS_DIR)
-        _eval_and_card(model, dest, limit=128)
+        if model == "ml-tiny":  # V3: continue the aux-loss-free bias updates with the weights frozen
+            rebalance_bias(dest, DATA_DIR, log=log)
+        _eval_and_card(model, dest, limit=None)
 
 
 def _eval_and_card(model: str, folder: Path, limit: int | None) -> dict:
@@ -441,7 +443,7 @@ def _evaluate(model: str, folder: Path, limit: int | None, continuations: bool) 
 def model_eval(model: Annotated[str, typer.Option("--model", help="ds-tiny | ml-tiny")] = "ds-tiny",
                model_path: ModelPathOpt = None,
                limit: Annotated[int | None, typer.Option("--limit", min=1, help="Validation sequences of 512 tokens, "
-                                                         "spread evenly over the split (default 128).")] = 128,
+                                                         "spread evenly over the split (default: all).")] = None,
                card: Annotated[bool, typer.Option("--card", help="Also rewrite the model card from this evaluation.")] = False,
                as_json: JsonOpt = False):
     """Validation perplexity vs the unigram baseline, and per-layer expert usage."""

@@ -139,9 +139,14 @@ def write_card(folder: Path, name: str, reproduce_cmd: str) -> Path:
         f"{tcfg['weight_decay']}, bf16 autocast, seed {tcfg['seed']}, {tcfg['threads']} CPU thread(s)"
         + (f", wall time {wall_s / 60:.0f} min" + ("" if "elapsed_s" in log[-1] else
                                                      " (from the logged throughput; evaluation time not included)")),
-        f"- load balancing: {balance}", "",
+        f"- load balancing: {balance}"
+        + (f"; then {tcfg['bias_rebalance']['bias_balance_steps']} bias-update-only steps with every weight frozen "
+           f"(u = {tcfg['bias_rebalance']['bias_update_speed']}, training batches of {tcfg['bias_rebalance']['batch_size']} × "
+           f"{tcfg['bias_rebalance']['seq_len']}, seeds disjoint from training), because the full validation split "
+           "still showed two layers above 3× the uniform load after the schedule ended" if "bias_rebalance" in tcfg else ""),
+        "",
         "![loss curve](loss_curve.png)", "",
-        f"## Evaluation (`bench model eval --model {name} --limit {ev['sequences']}`)", "",
+        f"## Evaluation (`bench model eval --model {name}`: the whole validation split)", "",
         f"On {ev['sequences']} validation sequences of {ev['seq_len']} tokens ({ev['tokens']:,} tokens):", "",
         f"- validation perplexity **{ev['perplexity']:.1f}** vs the unigram baseline of the same tokenizer **{ev['unigram_perplexity']:.1f}**",
         "- expert usage per MoE layer (normalised entropy; max and min load share × uniform; experts used of "

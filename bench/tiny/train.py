@@ -258,3 +258,48 @@ def install(final: Path, model_dir: Path, train_dir: Path, corpus_dir: Path) -> 
     shutil.copy2(train_dir / "log.jsonl", model_dir / "training_log.jsonl")
     shutil.copy2(corpus_dir / "manifest.json", model_dir / "corpus_manifest.json")
     return model_dir
+
+
+BIAS_BALANCE_STEPS = 200  # ml-tiny: bias-update-only steps after the learning-rate schedule has ended
+
+
+@torch.no_grad()
+def rebalance_bias(folder: Path, data_dir: Path, steps: int = BIAS_BALANCE_STEPS, speed: float = 1e-2,
+                   batch_size: int = 8, seq_len: int = 512, seed: int = 1234, threads: int = 1, log=print) -> dict:
+    """DeepSeek-V3's aux-loss-free balancing continued with every weight frozen: for `steps` training
+    batches (drawn with seeds seed + 1_000_000 + k, disjoint from the training draws), route them,
+    then b_i ← b_i + u·sign(mean load − load_i) in each MoE layer. Only the correction bias changes
+    (it picks experts; it never weighs them). Rewrites `folder/model.safetensors` in place."""
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(threads)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, local_files_only=True).eval()
+    if model.config.model_type != "deepseek_v3":
+        raise ValueError("bias rebalancing applies to sigmoid/noaux_tc (DeepseekV3) routers only")
+    tap = RouterTap(model)
+    data = np.memmap(data_dir / "train.bin", dtype=np.uint16, mode="r")
+    cfg = TrainConfig(batch_size=batch_size, seq_len=seq_len, seed=seed + 1_000_000)
+    n_experts = model.config.n_routed_experts
+    for k in range(steps):
+        batch = sample_batch(data, k, cfg)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model(input_ids=batch[:, :-1])
+        loads = []
+        for router, (_, ix) in zip(tap.routers, tap.pop()):
+            c = torch.bincount(ix.reshape(-1), minlength=n_experts).float()
+            router.e_score_correction_bias += speed * torch.sign(c.mean() - c)
+            loads.append((c.max() / c.mean()).item())
+        if (k + 1) % 50 == 0:
+            log(f"bias rebalance {k + 1}/{steps}: max load × mean per layer {[round(x, 2) for x in loads]}")
+    biases = [r.e_score_correction_bias.clone() for r in tap.routers]
+    model.to(torch.bfloat16)
+    for r, b in zip(tap.routers, biases):  # the bias keeps fp32: a 0.01 step is below bf16's resolution at 1
+        r.e_score_correction_bias = b
+    model.save_pretrained(folder, safe_serialization=True)
+    info = {"bias_balance_steps": steps, "bias_update_speed": speed, "batch_size": batch_size, "seq_len": seq_len,
+            "seed": seed + 1_000_000}
+    tc = folder / "training_config.json"
+    conf = json.loads(tc.read_text())
+    conf["bias_rebalance"] = info
+    tc.write_text(json.dumps(conf, indent=2) + "\n")
+    return info
