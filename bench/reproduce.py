@@ -17,7 +17,7 @@ PENDING = [
     ("Table 2 decode TPS / speed-up", "runtime, speculative decoding, trained draft experts"),
     ("Fig. 2 / Table 3 drafter cost vs acceptance", "speculative decoding"),
     ("Fig. 3 draft-side unique experts vs length", "speculative decoding"),
-    ("Fig. 4 / Fig. 5 verify cost and unique experts vs block length", "expert-offload runtime"),
+    ("Fig. 4 / Fig. 5 verify cost and unique experts vs block length", "a verify-block sweep over the runtime"),
     ("Table 4 truncation and prefetch", "speculative decoding"),
     ("Table 5 distillation ablation", "self-distilled draft experts"),
 ]
