@@ -11,6 +11,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
+from paper_figs.output import save  # noqa: E402
+
 
 def load(params_dir: Path, order: list[str] | None = None) -> pd.DataFrame:
     rows = [json.loads(p.read_text()) for p in sorted(params_dir.glob("*.json"))]
@@ -51,9 +53,4 @@ def figure(df: pd.DataFrame, out_stem: Path) -> list[Path]:
         ax.set_ylabel(f"bf16 {unit}")
         ax.set_ylim(0, max(vals) * 1.3)
     fig.suptitle("Fig. 1a — weights by kind (from config.json alone)", fontsize=10)
-    fig.tight_layout()
-    out = [out_stem.with_suffix(".png"), out_stem.with_suffix(".pdf")]
-    for p in out:
-        fig.savefig(p, dpi=150)
-    plt.close(fig)
-    return out
+    return save(fig, out_stem)

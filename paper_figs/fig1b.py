@@ -17,6 +17,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
+from paper_figs.output import save  # noqa: E402
+
 
 def breakdown(records: pd.DataFrame, machine_id: str | None = None) -> pd.DataFrame:
     """Per-cell time breakdown; only records of `machine_id` when given (results of several
@@ -68,9 +70,4 @@ def figure(b: pd.DataFrame, out_stem: Path) -> list[Path]:
     ax.set_title(f"Fig. 1b — AR-offload decode time ({', '.join(sorted(set(b.model)))}, measured)", fontsize=10)
     ax.legend(fontsize=8, loc="upper left")
     ax.set_ylim(0, (b.loading_ms_per_token + b.compute_ms_per_token + b.other_ms_per_token).max() * 1.35)
-    fig.tight_layout()
-    out = [out_stem.with_suffix(".png"), out_stem.with_suffix(".pdf")]
-    for p in out:
-        fig.savefig(p, dpi=150)
-    plt.close(fig)
-    return out
+    return save(fig, out_stem)
