@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 COUNTERS = ("requested", "loads", "hits", "bytes", "stall_s")
 
@@ -33,10 +33,6 @@ class ForwardRecord:
     stall_s: float = 0.0
     wall_s: float = 0.0
     per_layer: dict[int, dict] = field(default_factory=lambda: defaultdict(lambda: dict.fromkeys(COUNTERS, 0)))
-
-    @property
-    def compute_s(self) -> float:
-        return self.wall_s - self.stall_s
 
 
 class Ledger:
@@ -88,6 +84,3 @@ class Ledger:
         phases = sorted({r.phase for r in self.forwards})
         return {"total": agg(self.forwards), "by_phase": {p: agg([r for r in self.forwards if r.phase == p]) for p in phases},
                 "per_layer": {str(k): v for k, v in sorted(per_layer.items())}}
-
-    def records(self) -> list[dict]:
-        return [{**{k: v for k, v in asdict(r).items() if k != "per_layer"}, "compute_s": r.compute_s} for r in self.forwards]

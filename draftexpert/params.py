@@ -44,9 +44,6 @@ class Breakdown:
     def non_routed(self) -> int:
         return self.total - self.routed_experts
 
-    def bytes_bf16(self, params: int) -> float:
-        return 2.0 * params
-
     def summary(self) -> dict:
         """Counts, shares and sizes; `*_gib_bf16` = params · 2 / 2^30,
         `*_gib_q4_0` = (matrix params · 18/32 + vector params · 4) / 2^30."""
