@@ -1,7 +1,7 @@
 """Expert stores: where routed experts live and how they reach the accelerator.
 
-All stores share one interface (`fetch` for the model, `prefetch` for speculation) and one
-accelerator-side cache with an in-flight set; they differ only in how one expert is loaded:
+All stores share one interface (`fetch` for the model; `prefetch`, `begin_block` / `end_block`
+for speculation) and one accelerator-side cache with an in-flight set; they differ only in how one expert is loaded:
 
 - `ResidentStore`  every expert already on the accelerator (the paper's resident reference).
 - `HostStore`      platform cg: experts in host memory (pinned under CUDA), copied to the
@@ -42,6 +42,8 @@ class ExpertStore:
         self.capacity = cache_experts
         self.cache: OrderedDict[Key, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
         self.inflight: dict[Key, object] = {}
+        self.block: dict[Key, tuple[torch.Tensor, torch.Tensor]] | None = None  # open draft → verify round
+        self.prefetched: set[Key] = set()
         self.ledger = ledger or Ledger()
 
     # -- what a store implements --------------------------------------------------------
@@ -58,35 +60,69 @@ class ExpertStore:
         raise NotImplementedError
 
     # -- shared machinery ---------------------------------------------------------------
+    def begin_block(self) -> None:
+        """Open a draft → verify round: experts moved to the accelerator during the round stay
+        there until `end_block` (the round's working set — Algorithm 1's C ∪ P), so a verifier
+        reuses what the drafter or a prefetch already moved. Nothing outlives the round unless
+        the LRU cache keeps it."""
+        self.block = {}
+        self.prefetched: set[Key] = set()
+
+    def end_block(self) -> set[Key]:
+        """Close the round; return the keys prefetched in it. Unfinished prefetches are dropped
+        unwaited (their bytes were issued: waste if verification did not use them)."""
+        issued, self.prefetched = self.prefetched, set()
+        self.block = None
+        self.inflight.clear()
+        return issued
+
+    def resident_keys(self) -> set[Key]:
+        """Keys on the accelerator now without a pending load (cache ∪ the round's finished loads)."""
+        return set(self.cache) | set(self.block or ())
+
+    def _available(self, key: Key) -> bool:
+        return key in self.cache or key in self.inflight or (self.block is not None and key in self.block)
+
     def prefetch(self, layer: int, experts: list[int]) -> list[int]:
-        """Start loads of the experts that are neither cached nor in flight; return them."""
+        """Start non-blocking loads of the experts that are neither on the accelerator nor in
+        flight; return them. Counted by the ledger as prefetch issued / bytes."""
         started = []
         for e in experts:
             key = (layer, e)
-            if key not in self.cache and key not in self.inflight:
+            if not self._available(key):
                 self.inflight[key] = self._start(key)
+                self.ledger.record_prefetch(1, self.expert_bytes(key))
+                if self.block is not None:
+                    self.prefetched.add(key)
                 started.append(e)
         return started
 
     def fetch(self, layer: int, experts: list[int], phase: str = "ar") -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(gate_up, down) for each expert of `layer`, loading what is missing; blocks until ready."""
-        missing = [e for e in experts if (layer, e) not in self.cache and (layer, e) not in self.inflight]
+        """(gate_up, down) for each expert of `layer`, loading what is missing; blocks until ready.
+        Ledger: requested = len(experts); loads / bytes = the on-demand loads this call started;
+        stall = the wall time spent waiting (on them and on unfinished prefetches)."""
+        missing = [e for e in experts if not self._available((layer, e))]
+        nbytes = sum(self.expert_bytes((layer, e)) for e in missing)
         for e in missing:  # start every missing load before waiting on any: reads overlap
             self.inflight[(layer, e)] = self._start((layer, e))
-        loaded = sum(1 for e in experts if (layer, e) not in self.cache)
-        nbytes = sum(self.expert_bytes((layer, e)) for e in experts if (layer, e) not in self.cache)
         t0 = time.perf_counter()
-        out = []
-        for e in experts:
+        ready = {}
+        for e in experts:  # take what is on the accelerator before a finished load can evict it (LRU)
             key = (layer, e)
             if key in self.cache:
                 self.cache.move_to_end(key)
-                out.append(self.cache[key])
-            else:
-                w = self._finish(self.inflight.pop(key))
-                out.append(w)
+                ready[e] = self.cache[key]
+            elif self.block is not None and key in self.block:
+                ready[e] = self.block[key]
+        for e in experts:
+            if e not in ready:
+                key = (layer, e)
+                ready[e] = w = self._finish(self.inflight.pop(key))
                 self._remember(key, w)
-        self.ledger.record(layer, len(experts), loaded, nbytes, time.perf_counter() - t0)
+                if self.block is not None:
+                    self.block[key] = w
+        out = [ready[e] for e in experts]
+        self.ledger.record(layer, len(experts), len(missing), nbytes, time.perf_counter() - t0)
         return out
 
     def _remember(self, key: Key, w) -> None:

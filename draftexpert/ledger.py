@@ -9,6 +9,12 @@ Per forward (one call of the model on T tokens), with phase ∈ {prefill, ar, dr
   wall_s      wall seconds of the forward
   compute_s   = wall_s − stall_s
   per_layer   the same counters for each MoE layer
+Prefetch (speculation; outside any forward):
+  issued      loads started by draft-router prefetch                 bytes: their bytes
+  hits        issued and used by the round's verification
+  waste       issued and not used by it                               = issued − hits
+  misses      verifier experts needed, not resident at verify start, not prefetched (loaded on demand)
+  hit rate    = hits / issued          coverage = hits / (hits + misses)
 Totals sum these over forwards; `summary()` also splits them by phase. The loading share of
 decode time (Fig. 1b) is Σ stall_s / Σ wall_s over the decode phases.
 """
@@ -20,6 +26,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 COUNTERS = ("requested", "loads", "hits", "bytes", "stall_s")
+PREFETCH_COUNTERS = ("issued", "bytes", "hits", "waste", "misses")
 
 
 @dataclass
@@ -39,6 +46,7 @@ class Ledger:
     def __init__(self):
         self.forwards: list[ForwardRecord] = []
         self._current: ForwardRecord | None = None
+        self.prefetch = dict.fromkeys(PREFETCH_COUNTERS, 0)
 
     @contextmanager
     def forward(self, phase: str, tokens: int):
@@ -63,8 +71,18 @@ class Ledger:
             setattr(rec, key, getattr(rec, key) + val)
             pl[key] += val
 
+    def record_prefetch(self, issued: int, nbytes: int) -> None:
+        self.prefetch["issued"] += issued
+        self.prefetch["bytes"] += nbytes
+
+    def record_prefetch_outcome(self, hits: int, waste: int, misses: int) -> None:
+        self.prefetch["hits"] += hits
+        self.prefetch["waste"] += waste
+        self.prefetch["misses"] += misses
+
     def reset(self) -> None:
         self.forwards.clear()
+        self.prefetch = dict.fromkeys(PREFETCH_COUNTERS, 0)
 
     def summary(self) -> dict:
         """Totals, by phase, and per-layer totals; `loading_share` = stall_s / wall_s."""
@@ -82,5 +100,8 @@ class Ledger:
                 for k in COUNTERS:
                     per_layer[layer][k] += c[k]
         phases = sorted({r.phase for r in self.forwards})
-        return {"total": agg(self.forwards), "by_phase": {p: agg([r for r in self.forwards if r.phase == p]) for p in phases},
+        pf = dict(self.prefetch)
+        pf["hit_rate"] = pf["hits"] / pf["issued"] if pf["issued"] else 0.0
+        pf["coverage"] = pf["hits"] / (pf["hits"] + pf["misses"]) if pf["hits"] + pf["misses"] else 0.0
+        return {"total": agg(self.forwards), "prefetch": pf, "by_phase": {p: agg([r for r in self.forwards if r.phase == p]) for p in phases},
                 "per_layer": {str(k): v for k, v in sorted(per_layer.items())}}

@@ -126,10 +126,13 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 class MoEModel:
     """Lean forward over the weights of a DeepseekV2/V3 checkpoint.
 
-    `forward(ids [T], cache)` appends T positions to `cache` and returns logits [T, V].
-    `route_r` (default top_k) is how many routed experts each token uses: the target uses
-    top_k; shared+top-r drafters use r. Router taps: after each forward, `self.last_routing`
-    holds the chosen experts [T, top_k] of every MoE layer (layer → tensor)."""
+    `forward(ids [T], cache, path=None)` appends T positions to `cache` and returns logits [T, V].
+    `path=None` is the frozen target (top_k routed experts per token); a `DraftPath`
+    (`draftexpert.drafters`) is a cheaper configuration of the same weights: its top-r routed
+    experts and, for DraftExpert, a widened shared expert that carries the draft expert.
+    Router taps: after each forward, `self.last_routing` holds the router's top_k experts
+    [T, top_k] of every MoE layer (layer → tensor) — on a draft path, the predicted verifier
+    experts (Eq. 12) — and `self.last_fetched` the (layer, experts) the forward actually ran."""
 
     def __init__(self, hf_config, weights: dict[str, torch.Tensor], experts: ExpertStore):
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -166,7 +169,8 @@ class MoEModel:
             else:
                 lay["q"] = w[p + "self_attn.q_proj.weight"]
             if c.is_moe(i):
-                lay["gate"] = w[p + "mlp.gate.weight"].float()
+                gate = w[p + "mlp.gate.weight"]  # the router runs in fp32 at least (as transformers')
+                lay["gate"] = gate.to(torch.promote_types(gate.dtype, torch.float32))
                 lay["bias"] = w.get(p + "mlp.gate.e_score_correction_bias")
                 sh = [w[p + f"mlp.shared_experts.{n}_proj.weight"] for n in ("gate", "up", "down")]
                 lay["shared_gate_up"] = torch.cat(sh[:2], 0)  # [2·n_s·I, H]
@@ -177,6 +181,7 @@ class MoEModel:
                 lay["dense_down"] = d[2]
             self.layers.append(lay)
         self.last_routing: dict[int, torch.Tensor] = {}
+        self.last_fetched: dict[int, list[int]] = {}
         self._cos = self._sin = torch.empty(0, c.d_rope // 2)  # rope tables, grown on demand
 
     def rope_tables(self, start: int, T: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -215,18 +220,25 @@ class MoEModel:
         g, u = F.linear(x, gate_up).chunk(2, dim=-1)
         return F.linear(F.silu(g) * u, down)
 
-    def moe(self, i: int, x: torch.Tensor, r: int, phase: str) -> torch.Tensor:
-        """x [T, H] → shared(x) + Σ_k w_k · expert_k(x) over each token's top-r experts."""
-        L = self.layers[i]
-        w, idx = route(F.linear(x.float(), L["gate"]), self.cfg, r, L["bias"])  # [T, r]
+    def moe(self, i: int, x: torch.Tensor, path, phase: str) -> torch.Tensor:
+        """x [T, H] → shared(x) + Σ_k w_k · expert_k(x) over each token's first r of the target's
+        top_k experts, with the target's gate weights w_k (Eq. 4; a drafter keeps the target's
+        weights for the experts it runs, so its e1 term is the target's e1 term exactly)."""
+        L, k = self.layers[i], self.cfg.top_k
+        w, idx = route(F.linear(x.to(L["gate"].dtype), L["gate"]), self.cfg, k, L["bias"])  # [T, k], best first
         self.last_routing[i] = idx
-        out = self.mlp(x, L["shared_gate_up"], L["shared_down"])
+        gate_up, down = (L["shared_gate_up"], L["shared_down"]) if path is None else path.shared_for(i, L)
+        out = self.mlp(x, gate_up, down)
+        if path is not None and path.r < k:
+            w, idx = w[:, :path.r], idx[:, :path.r]
         if x.shape[0] == 1:  # decoding: r distinct experts, no gather / scatter needed
             chosen, weights = idx[0].tolist(), w[0].tolist()  # one host sync for all r
+            self.last_fetched[i] = chosen
             for wk, (gu, dn) in zip(weights, self.experts.fetch(i, chosen, phase)):
                 out.add_(self.mlp(x, gu, dn), alpha=wk)
             return out
         unique = torch.unique(idx).tolist()
+        self.last_fetched[i] = unique
         for e, (gu, dn) in zip(unique, self.experts.fetch(i, unique, phase)):
             tok, slot = (idx == e).nonzero(as_tuple=True)  # the tokens that chose e
             out.index_add_(0, tok, self.mlp(x[tok], gu, dn) * w[tok, slot, None].to(x.dtype))
@@ -235,15 +247,16 @@ class MoEModel:
     # -- forward --------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def forward(self, ids: torch.Tensor, cache: KVCache, r: int | None = None, phase: str = "ar") -> torch.Tensor:
-        """ids [T] → logits [T, V]; appends T positions to the cache."""
+    def forward(self, ids: torch.Tensor, cache: KVCache, phase: str = "ar", path=None) -> torch.Tensor:
+        """ids [T] → logits [T, V]; appends T positions to the cache. `path`: None for the
+        target, else a `DraftPath`."""
         T = ids.shape[0]
         if cache.length + T > cache.max_len:
             raise ValueError(f"KV cache full: {cache.length} + {T} > {cache.max_len}")
         with self.experts.ledger.forward(phase, T):
-            return self._forward(ids, cache, r, phase)
+            return self._forward(ids, cache, path, phase)
 
-    def _forward(self, ids, cache, r, phase):
+    def _forward(self, ids, cache, path, phase):
         c, T = self.cfg, ids.shape[0]
         ids = ids.to(self.embed.device)
         cos, sin = self.rope_tables(cache.length, T)  # [T, d_r/2]
@@ -251,7 +264,7 @@ class MoEModel:
         for i, L in enumerate(self.layers):
             x = x + self.attention(i, rms_norm(x, L["ln1"], c.eps), cache, cos, sin)
             h = rms_norm(x, L["ln2"], c.eps)
-            x = x + (self.moe(i, h, r or c.top_k, phase) if c.is_moe(i) else
+            x = x + (self.moe(i, h, path, phase) if c.is_moe(i) else
                      self.mlp(h, L["dense_gate_up"], L["dense_down"]))
         cache.length += T
         return F.linear(rms_norm(x, self.norm, c.eps), self.lm_head)
@@ -265,4 +278,4 @@ def from_hf_model(model) -> MoEModel:
         key = f"model.layers.{i}.mlp.experts."
         if key + "gate_up_proj" in sd:
             gate_up[i], down[i] = sd[key + "gate_up_proj"], sd[key + "down_proj"]
-    return MoEModel(model.config, sd, ResidentStore(gate_up, down))
+    return MoEModel(model.config, sd, ResidentStore(gate_up, down, dtype=model.dtype))
