@@ -234,7 +234,7 @@ def convert(model: Annotated[str, typer.Option("--model", help="ds | ml | ds-tin
 @app.command()
 def run(model: Annotated[str, typer.Option("--model", help="ds | ml | ds-tiny | ml-tiny")] = "ds-tiny",
         model_path: ModelPathOpt = None,
-        method: Annotated[str, typer.Option("--method", help="ar | reference")] = "ar",
+        method: Annotated[str, typer.Option("--method", help="ar | top-r | draftexpert | reference")] = "ar",
         platform: Annotated[str, typer.Option("--platform", help="mn (flash → accelerator) | cg (host → GPU) | "
                                               "resident (every expert on the accelerator)")] = "mn",
         expert_type: Annotated[str, typer.Option("--expert-type", help="mn: f32 | f16 | bf16 | q4_0")] = "q4_0",
@@ -251,6 +251,20 @@ def run(model: Annotated[str, typer.Option("--model", help="ds | ml | ds-tiny | 
         from_hub: Annotated[bool, typer.Option("--from-hub", help="Load the suites from the Hugging Face hub with "
                                                "`datasets` (online users) instead of the committed subsets.")] = False,
         out: Annotated[Path | None, typer.Option("--out", help="Run folder (records.jsonl + manifest.json).")] = None,
+        r: Annotated[int, typer.Option("--r", min=1, help="top-r: routed experts the drafter runs.")] = 1,
+        k_max: Annotated[int, typer.Option("--k-max", min=1, help="Most draft tokens per round.")] = 4,
+        tau: Annotated[float, typer.Option("--tau", min=0.0, max=1.0, help="Confidence threshold τ of the "
+                                           "controller.")] = 0.6,
+        budget: Annotated[int, typer.Option("--budget", min=0, help="B: layer-experts an unconfident draft token "
+                                            "may add to the verify set.")] = 24,
+        budget_mode: Annotated[str, typer.Option("--budget-mode", help="fixed | cache (count only experts not on "
+                                                 "the accelerator)")] = "fixed",
+        truncate: Annotated[bool, typer.Option("--truncate/--no-truncate", help="Confidence–expansion truncation "
+                                               "(off: the fixed-K ablation).")] = True,
+        prefetch: Annotated[bool, typer.Option("--prefetch/--no-prefetch", help="Draft-router prefetch of predicted "
+                                               "verifier experts.")] = True,
+        draft_cache: Annotated[str, typer.Option("--draft-cache", help="shared (drafter reads the target's KV cache) "
+                                                 "| own (its own cache)")] = "shared",
         as_json: JsonOpt = False):
     """Decode the prompt suites with one method; one record per prompt, resumable.
 
@@ -265,9 +279,14 @@ def run(model: Annotated[str, typer.Option("--model", help="ds | ml | ds-tiny | 
     from draftexpert.gguf_experts import TYPES, ExpertFileError
     from draftexpert.loader import CheckpointError
 
-    if method not in ("ar", "reference"):
-        fail(f"--method: {method!r} is not available; available: ar, reference")
-    from bench.runner import PLATFORMS
+    from bench.runner import METHODS, PLATFORMS
+
+    if method not in METHODS:
+        fail(f"--method: {method!r} is not available; available: {', '.join(METHODS)}")
+    if budget_mode not in ("fixed", "cache"):
+        fail(f"--budget-mode: {budget_mode!r} is not one of fixed, cache")
+    if draft_cache not in ("shared", "own"):
+        fail(f"--draft-cache: {draft_cache!r} is not one of shared, own")
 
     if platform not in PLATFORMS:
         fail(f"--platform: {platform!r} is not one of {', '.join(PLATFORMS)}")
@@ -277,6 +296,12 @@ def run(model: Annotated[str, typer.Option("--model", help="ds | ml | ds-tiny | 
     if unknown:
         fail(f"--suite: unknown suite(s) {', '.join(unknown)}; known: {', '.join(prompts.SUITES)}")
     folder = resolve_or_fail(model, model_path)
+    if method == "top-r":
+        from draftexpert.loader import load_config
+
+        top_k = load_config(folder).num_experts_per_tok
+        if not r < top_k:
+            fail(f"--r: {r} must be below the target's top-k ({top_k}); r = {top_k} is the target itself")
     if threads:
         torch.set_num_threads(threads)
     load = prompts.hub_loader if from_hub else prompts.load
@@ -291,12 +316,74 @@ def run(model: Annotated[str, typer.Option("--model", help="ds | ml | ds-tiny | 
         decoder, tokenizer, cfg = make_decoder(model, folder, method, platform, expert_type=expert_type,
                                                cache_experts=cache_experts, staging_budget=staging_budget,
                                                temperature=temperature, seed=seed, max_new_tokens=max_new_tokens,
-                                               expert_file=lambda qt: expert_file(model, folder, qt))
+                                               expert_file=lambda qt: expert_file(model, folder, qt),
+                                               spec=dict(r=r, k_max=k_max, tau=tau, budget=budget, budget_mode=budget_mode,
+                                                         truncate=truncate, prefetch=prefetch, draft_cache=draft_cache))
     except (CheckpointError, ExpertFileError, ValueError) as e:
         fail(str(e))
-    run_dir = out or (REPO_ROOT / "runs" / f"{model}-{method}-{cfg.platform}")
+    label = f"top-{r}" if method == "top-r" else method
+    run_dir = out or (REPO_ROOT / "runs" / f"{model}-{label}-{cfg.platform}")
     summary = run_cells(cfg, recs, decoder, tokenizer, run_dir, machine=collect(run_dir, measure_io=True), log=log)
+    if as_json:  # every record of this configuration: tokens and every ledger metric, per prompt
+        from bench.results import read_records
+
+        wanted = {p["id"] for p in recs}
+        summary["records"] = [r for r in read_records(run_dir / "records.jsonl")
+                              if r["config_hash"] == summary["config_hash"] and r["prompt_id"] in wanted]
     emit(summary, as_json, f"{summary['written']} written, {summary['skipped']} already done → {run_dir}")
+
+
+@app.command()
+def compare(model: Annotated[str, typer.Option("--model")] = "ds-tiny", model_path: ModelPathOpt = None,
+            platform: Annotated[str, typer.Option("--platform", help="mn | cg | resident")] = "mn",
+            expert_type: Annotated[str, typer.Option("--expert-type", help="mn: f32 | f16 | bf16 | q4_0")] = "q4_0",
+            method: Annotated[list[str] | None, typer.Option("--method", help="Subset of ar, top-1, top-2, top-3, "
+                                                             "draftexpert (default all).")] = None,
+            suite: Annotated[list[str] | None, typer.Option("--suite", help="Prompt suite(s); default all six.")] = None,
+            limit: Annotated[int | None, typer.Option("--limit", min=1, help="First N prompts of each suite.")] = 2,
+            max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", min=1)] = 64,
+            k_max: Annotated[int, typer.Option("--k-max", min=1)] = 4,
+            tau: Annotated[float, typer.Option("--tau", min=0.0, max=1.0)] = 0.6,
+            budget: Annotated[int, typer.Option("--budget", min=0)] = 24,
+            threads: Annotated[int | None, typer.Option("--threads", min=1, help="torch CPU threads.")] = None,
+            out: Annotated[Path | None, typer.Option("--out", help="Folder of the per-method run folders.")] = None,
+            as_json: JsonOpt = False):
+    """AR offload vs shared+top-r (r = 1, 2, 3; fixed K, no prefetch) vs DraftExpert (truncation +
+    prefetch): decode TPS, α, τ, unique layer-experts per draft / verify block, loads and bytes per
+    token, prefetch hit / waste — one table from the records; resumable."""
+    import torch
+
+    from bench import compare as cmp
+    from bench import prompts
+    from bench.runner import PLATFORMS
+    from bench.telemetry import collect
+    from draftexpert.gguf_experts import TYPES, ExpertFileError
+    from draftexpert.loader import CheckpointError
+
+    known = [m[0] for m in cmp.METHODS]
+    bad = [m for m in method or [] if m not in known]
+    if bad:
+        fail(f"--method: unknown {', '.join(bad)}; known: {', '.join(known)}")
+    if platform not in PLATFORMS:
+        fail(f"--platform: {platform!r} is not one of {', '.join(PLATFORMS)}")
+    if expert_type not in TYPES:
+        fail(f"--expert-type: {expert_type!r} is not one of {', '.join(TYPES)}")
+    unknown = [s for s in suite or [] if s not in prompts.SUITES]
+    if unknown:
+        fail(f"--suite: unknown suite(s) {', '.join(unknown)}; known: {', '.join(prompts.SUITES)}")
+    folder = resolve_or_fail(model, model_path)
+    if threads:
+        torch.set_num_threads(threads)
+    recs = [p for s in (suite or list(prompts.SUITES)) for p in prompts.load(s, limit)]
+    out_dir = out or (REPO_ROOT / "runs" / f"compare-{model}-{platform}")
+    try:
+        res = cmp.compare(model, folder, platform, recs, out_dir, max_new_tokens,
+                          dict(k_max=k_max, tau=tau, budget=budget), expert_type,
+                          lambda qt: expert_file(model, folder, qt), collect(out_dir, measure_io=True),
+                          labels=method, log=log)
+    except (CheckpointError, ExpertFileError, ValueError) as e:
+        fail(str(e))
+    emit(res, as_json, cmp.table(res) + f"\n\ntokens equal AR: {res['tokens_equal_ar']}  ({out_dir})")
 
 
 # ---------------------------------------------------------------- speed benchmarks

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from bench.results import RecordWriter, RunManifest, cell_key, config_hash
 from draftexpert.decoding import Decoder
+from draftexpert.ledger import PREFETCH_COUNTERS
 
 
 @dataclass
@@ -55,11 +56,17 @@ def expert_file_for(model: str, folder: Path, qtype: str, out: Path | None = Non
     return path
 
 
+METHODS = ("ar", "reference", "top-r", "draftexpert")
+
+
 def make_decoder(model: str, folder: Path, method: str, platform: str, expert_type: str = "q4_0",
                  cache_experts: int = 0, staging_budget: int = 0, temperature: float = 0.0, seed: int = 0,
-                 max_new_tokens: int = 64, expert_file: Callable[[str], Path] | None = None):
+                 max_new_tokens: int = 64, expert_file: Callable[[str], Path] | None = None,
+                 spec: dict | None = None):
     """(decoder, tokenizer, cell config) for a method on a platform. `expert_file(type)` gives
-    the GGUF expert file of the checkpoint (written once) for platform mn."""
+    the GGUF expert file of the checkpoint (written once) for platform mn. `spec` holds the
+    speculative methods' arguments: r, and `SpecConfig` fields (k_max, tau, budget,
+    budget_mode, truncate, prefetch, draft_cache)."""
     import torch
     from transformers import AutoTokenizer
 
@@ -70,9 +77,8 @@ def make_decoder(model: str, folder: Path, method: str, platform: str, expert_ty
 
         cfg = CellConfig(model=model, method=method, platform="resident", max_new_tokens=max_new_tokens)
         return ReferenceDecoder(load_target(folder)[0]), tokenizer, cfg
-    if method != "ar":
-        raise ValueError(f"unknown method {method!r}")
-    from baselines.ar import AROffloadDecoder
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; available: {', '.join(METHODS)}")
     from draftexpert.loader import build_model
 
     store = PLATFORMS[platform]
@@ -83,9 +89,27 @@ def make_decoder(model: str, folder: Path, method: str, platform: str, expert_ty
     args = {"store": store, "device": device, "cache_experts": cache_experts}
     if store == "flash":
         args.update(expert_type=expert_type, staging_budget=staging_budget)
+    if method == "ar":
+        from baselines.ar import AROffloadDecoder
+
+        decoder = AROffloadDecoder(target, temperature=temperature, seed=seed)
+    else:
+        from draftexpert.drafters import make_draft_path
+        from draftexpert.speculative import SpecConfig, SpeculativeDecoder
+
+        spec = dict(spec or {})
+        r = spec.pop("r", 1)
+        conf = SpecConfig(**spec, temperature=temperature, seed=seed)
+        path = make_draft_path(target, method, r=r)
+        decoder = SpeculativeDecoder(target, path, conf)
+        args.update({k: v for k, v in asdict(conf).items() if k not in ("temperature", "seed")})
+        if method == "top-r":
+            args["r"] = r
+        else:
+            args["draft_experts"] = "zero"  # untrained until distilled draft experts are committed
     cfg = CellConfig(model=model, method=method, platform=platform, max_new_tokens=max_new_tokens,
                      temperature=temperature, seed=seed, method_args=args)
-    return AROffloadDecoder(target, temperature=temperature, seed=seed), tokenizer, cfg
+    return decoder, tokenizer, cfg
 
 
 def render_prompt(tokenizer, text: str) -> list[int]:
@@ -96,19 +120,27 @@ def render_prompt(tokenizer, text: str) -> list[int]:
 
 
 def ledger_fields(ledger: dict | None) -> dict:
-    """Decode-phase movement, flattened for tables (Fig. 1b); phases other than prefill are decode.
-      decode_loads / decode_bytes   experts loaded and bytes read after prefill
+    """Decode-phase movement, flattened for tables (Fig. 1b); phases other than prefill(-draft) are decode.
+      decode_loads / decode_bytes   experts loaded on demand and bytes read after prefill
       decode_stall_s                seconds decode waited for loads
       decode_compute_s              decode forward seconds minus stall
-      loading_share                 = decode_stall_s / (decode_stall_s + decode_compute_s)"""
+      loading_share                 = decode_stall_s / (decode_stall_s + decode_compute_s)
+      prefetch_*                    issued / bytes / hits / waste / misses (speculation; see the Ledger)
+      moved_loads / moved_bytes     = decode_loads + prefetch_issued / decode_bytes + prefetch_bytes"""
     if not ledger:
         return {}
-    phases = [v for k, v in ledger["by_phase"].items() if k != "prefill"]
+    phases = [v for k, v in ledger["by_phase"].items() if not k.startswith("prefill")]
     stall = sum(p["stall_s"] for p in phases)
     compute = sum(p["compute_s"] for p in phases)
-    return {"decode_loads": sum(p["loads"] for p in phases), "decode_bytes": sum(p["bytes"] for p in phases),
+    pf = ledger.get("prefetch") or dict.fromkeys(PREFETCH_COUNTERS, 0)
+    loads, nbytes = sum(p["loads"] for p in phases), sum(p["bytes"] for p in phases)
+    return {"decode_loads": loads, "decode_bytes": nbytes,
             "decode_stall_s": stall, "decode_compute_s": compute,
-            "loading_share": stall / (stall + compute) if stall + compute > 0 else 0.0}
+            "loading_share": stall / (stall + compute) if stall + compute > 0 else 0.0,
+            **{f"prefetch_{k}": v for k, v in pf.items() if k in PREFETCH_COUNTERS},
+            "moved_loads": loads + pf["issued"], "moved_bytes": nbytes + pf["bytes"],
+            **{f"{k}_s": v["wall_s"] for k, v in ledger["by_phase"].items() if k in ("draft", "verify", "ar")},
+            **{f"{k}_stall_s": v["stall_s"] for k, v in ledger["by_phase"].items() if k in ("draft", "verify", "ar")}}
 
 
 def run_cells(cfg: CellConfig, prompts: list[dict], decoder: Decoder, tokenizer, run_dir: Path,

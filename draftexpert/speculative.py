@@ -2,11 +2,12 @@
 
 One round, phases named as the paper names them:
   draft     the drafter (a `DraftPath` of the same weights) proposes v_1 … v_K, K ≤ K_max, one
-            token per forward; each forward also yields the confidence q_i of v_i and the draft
-            router's top-k experts Ê_{l,i} at every MoE layer — the predicted verifier experts.
+            token per forward; each forward also yields the confidence q_i of v_i and, for the
+            token it consumes, the draft router's top-k experts at every MoE layer — the
+            predicted verifier experts of that position.
   truncate  the controller (Eq. 12–14) stops before appending v_i when q_i < τ and the marginal
             expansion Δ_i = |Û_i| − |Û_{i−1}| exceeds the budget B_i.
-  prefetch  as v_i is kept, non-blocking loads of Ê_{l,i} not cached, not in flight, not moved yet.
+  prefetch  as v_i is kept, non-blocking loads of Ê_{·,i} not cached, not in flight, not moved yet.
   verify    one multi-token forward of the frozen target over [x_0, v_1 … v_K] (x_0 = the last
             committed token); it waits only for the transfers it uses, loads misses on demand.
   accept    greedy: the longest prefix with v_j = argmax p_j, plus the target's own next token.
@@ -18,10 +19,13 @@ One round, phases named as the paper names them:
 Definitions (stated once; the controller, prefetch and ledger all use them):
 - q_i = softmax(z^d_i / T)(v_i), the draft's probability of its own proposal: at greedy
   (T = 1 for the confidence) the draft's max probability.
-- Ê_{l,i} = the draft router's top-k at layer l in the forward that drafts v_i. That forward's
-  input is x_{i−1}, so Ê_{·,i} predicts the verifier's experts at the position whose logits
-  judge v_i; Û_i = ⋃_{j ≤ i} ⋃_l Ê_{l,j} (Eq. 12). The verifier's last position (x_K, which only
-  yields the next token) is never fed to the drafter: its experts are loaded on demand.
+- Ê_{l,i} = the draft router's top-k at layer l when the drafter consumes v_i: keeping v_i adds
+  exactly one position (v_i's) to the verify block, and these are the experts that position is
+  predicted to need. Û_0 = Ê_{·,0} (x_0's experts: verified even when nothing is drafted, so
+  never charged to a draft token); Û_i = Û_{i−1} ∪ ⋃_l Ê_{l,i} (Eq. 12). So the controller and
+  prefetch see every verify position, v_K's included, the drafter consumes the last kept token
+  too — one draft forward more than K when truncation or prefetch is on (plain fixed-K top-r
+  drafting, with neither, runs K forwards).
 - B_i: `budget_mode="fixed"` — B_i = B; `"cache"` — Δ_i counts only experts that are not already
   on the accelerator (cached or moved earlier in the round), i.e. B_i = B + |new ∩ resident|.
 - The drafter's KV cache (`draft_cache`): `"shared"` (default) — the drafter attends to the
@@ -96,30 +100,44 @@ class SpeculativeDecoder:
     # -- phases ---------------------------------------------------------------------------
     def draft(self, committed: list[int], cache: KVCache, k_limit: int, gen) -> Draft:
         """Propose up to k_limit tokens on the draft path (draft → truncate → prefetch)."""
-        m, cfg, store = self.model, self.cfg, self.model.experts
-        x = torch.tensor(committed[cache.length:])  # tokens the drafter has not seen yet (≥ 1)
+        cfg, store = self.cfg, self.model.experts
+        look_ahead = cfg.truncate or cfg.prefetch  # they need Ê of every kept token, the last one included
         out = Draft([], [], set(), set(), False)
+        logits = self._forward(torch.tensor(committed[cache.length:]), cache, out)  # consumes x_0 (and any pending)
+        self._keep_experts(out, self._predicted(), store)  # x_0 is verified whatever is drafted: never truncated
         for i in range(1, k_limit + 1):
-            logits = m.forward(x, cache, phase="draft", path=self.path)[-1]
-            out.touched |= {(layer, e) for layer, es in m.last_fetched.items() for e in es}
-            predicted = layer_experts(m.last_routing, slice(-1, None))  # Ê_{·,i}: the row of x_{i−1}
             q = probs(logits, cfg.temperature)
             v = int(torch.multinomial(q, 1, generator=gen)) if cfg.temperature > 0 else int(q.argmax())
-            new = predicted - out.predicted
-            if cfg.budget_mode == "cache":
-                new -= store.resident_keys()
-            if cfg.truncate and float(q[v]) < cfg.tau and len(new) > cfg.budget:
-                out.truncated = True
-                break
+            if i < k_limit or look_ahead:
+                logits = self._forward(torch.tensor([v]), cache, out)  # consumes v_i: its verify experts Ê_i
+                predicted = self._predicted()
+                new = predicted - out.predicted
+                if cfg.budget_mode == "cache":
+                    new -= store.resident_keys()
+                if cfg.truncate and float(q[v]) < cfg.tau and len(new) > cfg.budget:  # Eq. 14
+                    out.truncated = True
+                    break
+                self._keep_experts(out, predicted, store)
             out.tokens.append(v)
             out.q.append(q)
-            out.predicted |= predicted
-            if cfg.prefetch:
-                for layer in sorted({layer for layer, _ in new}):
-                    store.prefetch(layer, sorted(e for l2, e in new if l2 == layer))
-            if i < k_limit:
-                x = torch.tensor([v])
         return out
+
+    def _forward(self, ids: torch.Tensor, cache: KVCache, out: Draft) -> torch.Tensor:
+        logits = self.model.forward(ids, cache, phase="draft", path=self.path)[-1]
+        out.touched |= {(layer, e) for layer, es in self.model.last_fetched.items() for e in es}
+        return logits
+
+    def _predicted(self) -> set[tuple[int, int]]:
+        """Ê_{·,i}: the draft router's top-k at every MoE layer for the token just consumed."""
+        return layer_experts(self.model.last_routing, slice(-1, None))
+
+    def _keep_experts(self, out: Draft, predicted: set, store) -> None:
+        """Û_i = Û_{i−1} ∪ Ê_i (Eq. 12); prefetch what is neither on the accelerator nor in flight."""
+        new = predicted - out.predicted
+        out.predicted |= predicted
+        if self.cfg.prefetch:
+            for layer in sorted({layer for layer, _ in new}):
+                store.prefetch(layer, sorted(e for l2, e in new if l2 == layer))
 
     def verify(self, committed: list[int], cache: KVCache, draft: list[int]) -> torch.Tensor:
         """Target logits [K+1, V] at [x_0, v_1 … v_K]; position j judges v_{j+1}."""

@@ -78,6 +78,24 @@ def test_ar_offload_records_equal_reference_records_token_for_token(tiny_checkpo
     assert [r["tokens"] for r in ar] == [r["tokens"] for r in ref]
 
 
+def test_speculative_runs_emit_ar_tokens_and_ledger_per_prompt(tiny_checkpoint, tmp_path):
+    """`bench run --json` of top-r and draftexpert: per prompt the tokens (equal to AR's, fp32 here —
+    the float64 property tests are in test_speculative) and the speculation + prefetch counters."""
+    p = run_bench(*_run_args(tiny_checkpoint, tmp_path / "ar", limit=2, tokens=16), env=_env(tmp_path))
+    ar = {r["prompt_id"]: r["tokens"] for r in json.loads(p.stdout)["records"]}
+    for method, extra in (("top-r", ["--r", "1", "--no-truncate"]), ("draftexpert", ["--k-max", "3", "--tau", "0.9"])):
+        p = run_bench(*_run_args(tiny_checkpoint, tmp_path / method, limit=2, method=method, tokens=16), *extra,
+                      env=_env(tmp_path))
+        assert p.returncode == 0, p.stderr
+        recs = json.loads(p.stdout)["records"]
+        assert {r["prompt_id"]: r["tokens"] for r in recs} == ar
+        for r in recs:
+            assert r["method"] == method and r["rounds"] >= 1 and 0 <= r["acceptance"] <= 1
+            assert r["prefetch_hits"] + r["prefetch_waste"] == r["prefetch_issued"]
+            assert r["ledger"]["by_phase"]["verify"]["forwards"] == r["rounds"]
+    assert recs[0]["method_args"]["draft_experts"] == "zero" and recs[0]["method_args"]["k_max"] == 3
+
+
 def test_reference_decoder_equals_transformers_generate(tiny_checkpoint):
     import torch
 
@@ -100,6 +118,12 @@ def test_bad_method_and_suite_name_the_flag(tiny_checkpoint):
     assert p.returncode == 2 and "--expert-type" in p.stderr
     p = run_bench("run", "--model-path", str(tiny_checkpoint), "--suite", "trivia")
     assert p.returncode == 2 and "--suite" in p.stderr
+    p = run_bench("run", "--model-path", str(tiny_checkpoint), "--method", "top-r", "--r", "2")  # target is top-2
+    assert p.returncode == 2 and "--r" in p.stderr and "top-k (2)" in p.stderr
+    p = run_bench("run", "--model-path", str(tiny_checkpoint), "--method", "draftexpert", "--draft-cache", "both")
+    assert p.returncode == 2 and "--draft-cache" in p.stderr
+    p = run_bench("compare", "--model-path", str(tiny_checkpoint), "--method", "top-9")
+    assert p.returncode == 2 and "--method" in p.stderr
 
 
 def test_convert_writes_a_readable_expert_file_once(tiny_checkpoint, tmp_path):
