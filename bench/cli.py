@@ -383,7 +383,9 @@ def compare(model: Annotated[str, typer.Option("--model")] = "ds-tiny", model_pa
                           labels=method, log=log)
     except (CheckpointError, ExpertFileError, ValueError) as e:
         fail(str(e))
-    emit(res, as_json, cmp.table(res) + f"\n\ntokens equal AR: {res['tokens_equal_ar']}  ({out_dir})")
+    from paper_figs.spec_table import table
+
+    emit(res, as_json, table(res) + f"\n\ntokens equal AR: {res['tokens_equal_ar']}  ({out_dir})")
 
 
 # ---------------------------------------------------------------- speed benchmarks
@@ -550,11 +552,14 @@ def model_eval(model: Annotated[str, typer.Option("--model", help="ds-tiny | ml-
 
 @app.command("reproduce")
 def reproduce_cmd(results_dir: Annotated[Path, typer.Option("--results", help="Where results are written.")] = REPO_ROOT / "results",
+                  per_suite: Annotated[int, typer.Option("--per-suite", min=1, help="Prompts per suite in the "
+                                                         "decoding runs.")] = 2,
+                  max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", min=2)] = 64,
                   as_json: JsonOpt = False):
     """Regenerate every table and figure this checkout can produce (what `make reproduce` runs)."""
     from bench.reproduce import reproduce
 
-    summary = reproduce(results_dir, log=log)
+    summary = reproduce(results_dir, log=log, per_suite=per_suite, tokens=max_new_tokens)
     emit(summary, as_json, "written:\n  " + "\n  ".join(summary["written"])
          + "\nnot yet reproducible (capability pending):\n  "
          + "\n  ".join(f"{p['result']} — needs {p['needs']}" for p in summary["pending"]))

@@ -14,11 +14,11 @@ from bench.results import write_json_atomic
 
 # What the paper has that this checkout cannot regenerate yet, and which capability brings it.
 PENDING = [
-    ("Table 2 decode TPS / speed-up", "runtime, speculative decoding, trained draft experts"),
-    ("Fig. 2 / Table 3 drafter cost vs acceptance", "speculative decoding"),
-    ("Fig. 3 draft-side unique experts vs length", "speculative decoding"),
+    ("Table 2 DraftExpert column (trained draft experts), ml-tiny and cg rows", "self-distilled draft experts"),
+    ("Fig. 2 / Table 3 DraftExpert row with trained draft experts", "self-distilled draft experts"),
+    ("Fig. 3 draft-side unique experts vs length", "a draft-length sweep over `bench compare`"),
     ("Fig. 4 / Fig. 5 verify cost and unique experts vs block length", "a verify-block sweep over the runtime"),
-    ("Table 4 truncation and prefetch", "speculative decoding"),
+    ("Table 4 truncation and prefetch with trained draft experts", "self-distilled draft experts"),
     ("Table 5 distillation ablation", "self-distilled draft experts"),
 ]
 
@@ -30,7 +30,7 @@ FIG1B_CELLS = [("mn", "q4_0"), ("mn", "bf16"), ("cg", "q4_0")]  # cg ignores the
 FIG1B_THREADS = 1  # timings on one thread: comparable across machines with more cores, and with a busy neighbour
 
 
-def fig1b_runs(results_dir: Path, log) -> list[str]:
+def fig1b_runs(results_dir: Path, log, per_suite: int = FIG1B_PER_SUITE, tokens: int = FIG1B_TOKENS) -> list[str]:
     """AR-offload runs for Fig. 1b (resumable: finished prompts are skipped), then the figure."""
     from bench import prompts, registry
     from bench.results import load_results
@@ -42,12 +42,12 @@ def fig1b_runs(results_dir: Path, log) -> list[str]:
 
     torch.set_num_threads(FIG1B_THREADS)
     folder = registry.resolve(FIG1B_MODEL)
-    recs = prompts.load(limit=FIG1B_PER_SUITE)
+    recs = prompts.load(limit=per_suite)
     runs = results_dir / "runs"
     machine = collect(results_dir)
     for platform, qtype in FIG1B_CELLS:
         decoder, tok, cfg = make_decoder(FIG1B_MODEL, folder, "ar", platform, expert_type=qtype,
-                                         max_new_tokens=FIG1B_TOKENS,
+                                         max_new_tokens=tokens,
                                          expert_file=lambda qt: expert_file_for(FIG1B_MODEL, folder, qt, log=log))
         name = f"fig1b-{FIG1B_MODEL}-{platform}" + (f"-{qtype}" if platform == "mn" else "")
         run_cells(cfg, recs, decoder, tok, runs / name, machine=machine, log=log)
@@ -59,7 +59,36 @@ def fig1b_runs(results_dir: Path, log) -> list[str]:
     return ["results/runs/fig1b-*", "results/fig1b_breakdown.md", *[str(p.relative_to(results_dir.parent)) for p in figs]]
 
 
-def reproduce(results_dir: Path, log=lambda m: print(m, file=sys.stderr)) -> dict:
+def spec_compare(results_dir: Path, log, per_suite: int = FIG1B_PER_SUITE, tokens: int = FIG1B_TOKENS) -> list[str]:
+    """AR vs top-1/2/3 vs DraftExpert (untrained draft expert) for ds-tiny on mn, Q4_0 (resumable)."""
+    import torch
+
+    from bench import prompts, registry
+    from bench.compare import compare
+    from bench.runner import expert_file_for
+    from bench.telemetry import collect
+    from paper_figs.spec_table import table
+
+    torch.set_num_threads(FIG1B_THREADS)
+    folder = registry.resolve(FIG1B_MODEL)
+    out = results_dir / "runs" / f"compare-{FIG1B_MODEL}-mn"
+    res = compare(FIG1B_MODEL, folder, "mn", prompts.load(limit=per_suite), out, tokens,
+                  dict(k_max=4, tau=0.6, budget=24), "q4_0",
+                  lambda qt: expert_file_for(FIG1B_MODEL, folder, qt, log=log), collect(results_dir), log=log)
+    for row in res["methods"].values():
+        row.pop("tokens")
+    write_json_atomic(results_dir / f"spec_compare_{FIG1B_MODEL}_mn.json", res)
+    (results_dir / f"spec_compare_{FIG1B_MODEL}_mn.md").write_text(
+        f"{FIG1B_MODEL} on mn (Q4_0 experts from flash, cold), {per_suite} prompts per suite, "
+        f"{tokens} new tokens, greedy, K_max = 4, {FIG1B_THREADS} thread; DraftExpert's draft expert is "
+        f"untrained (zero). Tokens equal AR: {res['tokens_equal_ar']}.\n\n" + table(res) + "\n")
+    return [f"results/runs/compare-{FIG1B_MODEL}-mn/*", f"results/spec_compare_{FIG1B_MODEL}_mn.md",
+            f"results/spec_compare_{FIG1B_MODEL}_mn.json"]
+
+
+def reproduce(results_dir: Path, log=lambda m: print(m, file=sys.stderr), per_suite: int = FIG1B_PER_SUITE,
+              tokens: int = FIG1B_TOKENS) -> dict:
+    """Every step; `per_suite` prompts per suite and `tokens` new tokens for the decoding runs."""
     from bench import registry
     from bench.telemetry import collect
     from draftexpert.params import breakdown
@@ -85,8 +114,10 @@ def reproduce(results_dir: Path, log=lambda m: print(m, file=sys.stderr)) -> dic
     done += ["results/params/*.json", "results/fig1a_params.md",
              *[str(p.relative_to(results_dir.parent)) for p in fig1a.figure(df, figs_dir / "fig1a_params")]]
     if registry.is_present(FIG1B_MODEL):
-        log(f"Fig. 1b: AR offload of {FIG1B_MODEL} on mn (q4_0, bf16) and cg, {FIG1B_PER_SUITE} prompts per suite")
-        done += fig1b_runs(results_dir, log)
+        log(f"Fig. 1b: AR offload of {FIG1B_MODEL} on mn (q4_0, bf16) and cg, {per_suite} prompts per suite")
+        done += fig1b_runs(results_dir, log, per_suite, tokens)
+        log(f"Tables 2/3 (partial): AR vs shared+top-r vs DraftExpert, {FIG1B_MODEL} on mn")
+        done += spec_compare(results_dir, log, per_suite, tokens)
     else:
         log(f"Fig. 1b skipped: {FIG1B_MODEL} is not present")
     for item, needs in PENDING:

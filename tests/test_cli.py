@@ -27,9 +27,13 @@ def test_env_rejects_tiny_block():
 
 
 def test_reproduce_writes_fig1a_and_lists_pending(tmp_path):
-    p = run_bench("reproduce", "--results", str(tmp_path), "--json")
+    p = run_bench("reproduce", "--results", str(tmp_path), "--per-suite", "1", "--max-new-tokens", "6", "--json",
+                  env={"DRAFTEXPERT_CACHE": str(tmp_path / "cache")})
     assert p.returncode == 0, p.stderr
     s = json.loads(p.stdout)
+    spec = json.loads((tmp_path / "spec_compare_ds-tiny_mn.json").read_text())
+    assert set(spec["methods"]) == {"ar", "top-1", "top-2", "top-3", "draftexpert"}
+    assert all(spec["tokens_equal_ar"].values()) and spec["methods"]["top-1"]["acceptance"] is not None
     assert (tmp_path / "figures" / "fig1a_params.png").stat().st_size > 1000
     assert "| ds | 15.7B | 14.4B | 91.6% | 26.8 GiB | 2.44 GiB |" in (tmp_path / "fig1a_params.md").read_text()
     assert s["pending"]
