@@ -160,13 +160,7 @@ def test_committed_model_loads_offline_with_the_spec_routing(name, monkeypatch):
     assert out.shape[1] == len(ids) + 8 or tok.eos_token_id in out[0, len(ids):].tolist()
 
 
-BAR_SHORTFALL = {  # known, reported in the model card and the closing note; strict: passing again fails the xfail
-    "ml-tiny": "on the whole validation split MoE layer 5's busiest expert carries 3.17x its uniform share (bar: <= 3x)",
-}
-
-
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=BAR_SHORTFALL[n]))
-                                  if n in BAR_SHORTFALL else n for n in EMBEDDED])
+@pytest.mark.parametrize("name", EMBEDDED)
 def test_committed_model_card_reports_the_bar(name):
     ev = json.loads((MODELS / name / "eval.json").read_text())
     assert ev["perplexity"] < 0.5 * ev["unigram_perplexity"]

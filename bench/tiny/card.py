@@ -147,7 +147,10 @@ def write_card(folder: Path, name: str, reproduce_cmd: str) -> Path:
         "",
         "![loss curve](loss_curve.png)", "",
         f"## Evaluation (`bench model eval --model {name}`: the whole validation split)", "",
-        f"On {ev['sequences']} validation sequences of {ev['seq_len']} tokens ({ev['tokens']:,} tokens):", "",
+        f"On {ev['sequences']} validation sequences of {ev['seq_len']} tokens ({ev['tokens']:,} tokens). The split "
+        f"holds ~{corpus['val_fraction']:.0%} of each source's documents (hashed by path), each cut to its first "
+        f"{corpus.get('val_doc_cap_bytes', 0) // 1024} KiB so that no single huge document (the collected Shakespeare is "
+        "one 465 KB file) dominates it:", "",
         f"- validation perplexity **{ev['perplexity']:.1f}** vs the unigram baseline of the same tokenizer **{ev['unigram_perplexity']:.1f}**",
         "- expert usage per MoE layer (normalised entropy; max and min load share × uniform; experts used of "
         f"{cfg['n_routed_experts']}):", "",

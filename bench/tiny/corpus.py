@@ -27,6 +27,11 @@ from bench.sources import Package, deb_version, extract, fetch
 
 NGRAM = 13  # contamination n-gram length (words), as in GPT-3's and Llama's decontamination
 VAL_FRACTION = 0.02
+# A validation document keeps at most its first 64 KiB (cut at a line end): a few sources are a
+# handful of huge files (the collected Shakespeare is one 465 KB document), and whole-document
+# hashing otherwise lets one of them be a third of the split. The cap changes only val.jsonl —
+# the source caps count a document's full size, so train.jsonl is the same either way.
+VAL_DOC_CAP = 64 * 1024
 SEED = 20260729
 CHAT_USER, CHAT_ASSISTANT = "User: ", "Assistant: "  # the tokenizer's chat template uses these
 
@@ -198,12 +203,21 @@ def is_validation(source: str, path: str) -> bool:
     return h / 0xFFFFFFFF < VAL_FRACTION
 
 
+def cap_document(text: str, cap: int) -> str:
+    """The first `cap` bytes of `text`, cut back to the last complete line."""
+    raw = text.encode()
+    if len(raw) <= cap:
+        return text
+    head = raw[:cap].decode(errors="ignore")
+    return head[:head.rfind("\n")] if "\n" in head else head
+
+
 def build(out_dir: Path, log=print) -> dict:
     """Assemble the corpus into `out_dir`; return the manifest."""
     out_dir.mkdir(parents=True, exist_ok=True)
     grams = eval_ngrams()
     log(f"decontamination: {len(grams):,} {NGRAM}-grams from the evaluation suites")
-    manifest = {"seed": SEED, "ngram": NGRAM, "val_fraction": VAL_FRACTION,
+    manifest = {"seed": SEED, "ngram": NGRAM, "val_fraction": VAL_FRACTION, "val_doc_cap_bytes": VAL_DOC_CAP,
                 "python": sys.version.split()[0], "sources": []}
     tmp = {split: out_dir / f"{split}.jsonl.part" for split in ("train", "val")}
     files = {split: open(p, "w", encoding="utf-8") for split, p in tmp.items()}
@@ -220,12 +234,13 @@ def build(out_dir: Path, log=print) -> dict:
                     dropped.append(path)
                     continue
                 split = "val" if is_validation(src.name, path) else "train"
+                used += len(text.encode())
+                if split == "val":
+                    text = cap_document(text, VAL_DOC_CAP)
                 files[split].write(json.dumps({"source": src.name, "path": path, "text": text},
                                               ensure_ascii=False) + "\n")
-                n = len(text.encode())
-                used += n
                 kept[split][0] += 1
-                kept[split][1] += n
+                kept[split][1] += len(text.encode())
             if src.package is None:
                 version = manifest["python"]
             elif src.package.registry == "debian":
