@@ -550,6 +550,81 @@ def model_eval(model: Annotated[str, typer.Option("--model", help="ds-tiny | ml-
     emit(brief, as_json, text)
 
 
+@app.command("distill")
+def distill_cmd(model: Annotated[str, typer.Option("--model")] = "ds-tiny", model_path: ModelPathOpt = None,
+                preset: Annotated[str, typer.Option("--preset", help="full | top1 | residual | logit-token | router "
+                                                    "(= full, Table 5's last row)")] = "full",
+                steps: Annotated[int, typer.Option("--steps", min=1)] = 600,
+                batch_size: Annotated[int, typer.Option("--batch-size", min=1)] = 8,
+                seq_len: Annotated[int, typer.Option("--seq-len", min=8)] = 256,
+                lr: Annotated[float, typer.Option("--lr", min=0.0)] = 2e-3,
+                intermediate: Annotated[int | None, typer.Option("--intermediate", min=1, help="I_d of each draft "
+                                                                 "expert (default: the routed experts')")] = None,
+                fixed_gamma: Annotated[bool, typer.Option("--fixed-gamma", help="Keep γ_l = 1 instead of learning "
+                                                          "it.")] = False,
+                threads: Annotated[int, typer.Option("--threads", min=1)] = 2,
+                seed: Annotated[int, typer.Option("--seed")] = 0,
+                out: Annotated[Path | None, typer.Option("--out", help="Draft-expert checkpoint to write.")] = None,
+                as_json: JsonOpt = False):
+    """Self-distil the draft experts of a frozen target (Eq. 6–11) on the corpus's training split;
+    resumable; writes a safetensors checkpoint paired with the target's weights."""
+    from bench import distill as bd
+    from draftexpert.distill import DistillConfig, DistillError
+    from draftexpert.loader import load_config
+
+    folder = resolve_or_fail(model, model_path)
+    try:
+        cfg = DistillConfig(preset="full" if preset == "router" else preset, steps=steps, batch_size=batch_size,
+                            seq_len=seq_len, lr=lr, intermediate=intermediate or load_config(folder).moe_intermediate_size,
+                            learn_gamma=not fixed_gamma, threads=threads, seed=seed)
+        r = bd.distill(model, folder, cfg, out, log)
+    except DistillError as e:
+        fail(f"--preset / checkpoint: {e}")
+    except FileNotFoundError as e:
+        fail(str(e))
+    emit(r, as_json, f"{r['out']}: {r['steps']} steps, {r['tokens']:,} tokens, {r['train_seconds']:.0f} s")
+
+
+@app.command("distill-eval")
+def distill_eval_cmd(model: Annotated[str, typer.Option("--model")] = "ds-tiny", model_path: ModelPathOpt = None,
+                     preset: Annotated[list[str] | None, typer.Option("--preset", help="Default: top1, residual, "
+                                                                      "logit-token, full.")] = None,
+                     limit: Annotated[int, typer.Option("--limit", min=1, help="Prompts per suite for α and "
+                                                        "prefetch hit rate.")] = 2,
+                     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", min=2)] = 64,
+                     seq_len: Annotated[int, typer.Option("--seq-len", min=8)] = 256,
+                     threads: Annotated[int, typer.Option("--threads", min=1)] = 1,
+                     card: Annotated[bool, typer.Option("--card", help="Write the table into the draft experts' "
+                                                        "folder (table5.md, table5.json).")] = False,
+                     as_json: JsonOpt = False):
+    """Table 5: per preset, KL(target‖draft) and token / router agreement on held-out text, and
+    DraftExpert's acceptance and prefetch hit rate at K = 4 on the prompt suites (five suites, no
+    code-completion suite, as the paper)."""
+    import torch
+
+    from bench import distill as bd
+    from bench import prompts
+    from draftexpert.distill import PRESETS, DistillError
+
+    bad = [p for p in preset or [] if p not in PRESETS]
+    if bad:
+        fail(f"--preset: unknown {', '.join(bad)}; known: {', '.join(PRESETS)}")
+    folder = resolve_or_fail(model, model_path)
+    torch.set_num_threads(threads)
+    suites = ["chat", "gsm8k", "mbpp", "summarization", "ifeval"]
+    recs = [p for s in suites for p in prompts.load(s, limit)]
+    try:
+        r = bd.distill_eval(model, folder, preset or bd.PRESET_ORDER, recs, max_new_tokens, seq_len, log)
+    except (DistillError, FileNotFoundError) as e:
+        fail(str(e))
+    if card:
+        d = bd.experts_dir(model, folder)
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "table5.json").write_text(json.dumps(r, indent=2) + "\n")
+        (d / "table5.md").write_text(bd.table(r) + "\n")
+    emit(r, as_json, bd.table(r))
+
+
 @app.command("reproduce")
 def reproduce_cmd(results_dir: Annotated[Path, typer.Option("--results", help="Where results are written.")] = REPO_ROOT / "results",
                   per_suite: Annotated[int, typer.Option("--per-suite", min=1, help="Prompts per suite in the "

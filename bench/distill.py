@@ -1,0 +1,146 @@
+"""`bench distill` / `bench distill-eval`: train the draft experts of a target on the corpus's
+training split (never the evaluation prompts: the corpus is decontaminated against them) and
+measure Table 5 on held-out text and prompts.
+
+Where things go: embedded models keep their draft experts beside the weights,
+`models/<name>/draft_experts/<preset>.safetensors` (+ `.history.jsonl`, `.loss.png`); real models
+(whose folder may be a read-only Hugging Face cache) under `work/draft_experts/<name>/`.
+Training state (resumable) lives in `work/distill/<name>-<preset>/`.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from bench import registry
+
+WORK = registry.REPO_ROOT / "work"
+PRESET_ORDER = ["top1", "residual", "logit-token", "full"]  # Table 5's rows
+EVAL_WINDOWS = 32  # held-out windows of `seq_len` tokens for KL / agreement
+
+
+def experts_dir(model: str, folder: Path) -> Path:
+    spec = registry.get(model)
+    return folder / "draft_experts" if spec.embedded else WORK / "draft_experts" / model
+
+
+def find_draft_experts(model: str, folder: Path, preset: str = "full") -> Path | None:
+    p = experts_dir(model, folder) / f"{preset}.safetensors"
+    return p if p.exists() else None
+
+
+def token_splits(folder: Path, log):
+    from bench.tiny.evaluate import load_split
+    from bench.tiny.tokenizer import token_data_for
+
+    d = token_data_for(folder, WORK / "corpus", WORK / "data", log=log)
+    return load_split(d, "train"), load_split(d, "val")
+
+
+def distill(model: str, folder: Path, cfg, out: Path | None, log) -> dict:
+    import torch
+
+    from draftexpert.checkpoint import load_target
+    from draftexpert.distill import eval_windows, save_draft_experts, train
+
+    hf, _ = load_target(folder)
+    hf = hf.float()
+    hf.set_experts_implementation("eager")
+    train_data, val_data = token_splits(folder, log)
+    windows = eval_windows(val_data, EVAL_WINDOWS, cfg.seq_len)
+    t0 = time.perf_counter()
+    draft, history = train(hf, train_data, windows, cfg, WORK / "distill" / f"{model}-{cfg.preset}", log=log)
+    out = out or experts_dir(model, folder) / f"{cfg.preset}.safetensors"
+    steps = [h for h in history if "loss" in h]
+    meta = {"preset": cfg.preset, "config": asdict(cfg), "steps": len(steps),
+            "tokens": sum(h["tokens"] for h in steps), "train_seconds": sum(h["seconds"] for h in steps),
+            "command": f"bench distill --model {model} --preset {cfg.preset}"}
+    save_draft_experts(out, draft.export(), folder, meta)
+    with open(out.with_suffix(".history.jsonl"), "w") as f:
+        for h in history:
+            f.write(json.dumps(h) + "\n")
+    if steps:
+        loss_curve(history, out.with_suffix(".loss.png"), f"{model} draft experts, preset {cfg.preset}")
+    log(f"wrote {out} ({time.perf_counter() - t0:.0f} s this session)")
+    del torch
+    return {"model": model, "out": str(out), **meta}
+
+
+def loss_curve(history: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    terms = [k for k in ("loss", "logit", "tok", "res", "router") if k in history[0]]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for k in terms:
+        ax.plot([h["step"] for h in history], [h[k] for h in history], label=k, lw=1)
+    ax.set_yscale("log")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss term")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120, metadata={"Software": None})
+    plt.close(fig)
+
+
+def distill_eval(model: str, folder: Path, presets: list[str], prompts: list[dict], max_new_tokens: int,
+                 seq_len: int, log) -> dict:
+    """Table 5 per preset: KL, token agreement, router agreement on held-out windows; acceptance
+    and prefetch hit rate of DraftExpert at K = 4 (no truncation, prefetch on, cold host store)."""
+    from bench.runner import render_prompt
+    from draftexpert.checkpoint import load_target
+    from draftexpert.distill import DraftExpertModule, eval_windows, evaluate, load_draft_experts, moe_layers
+    from draftexpert.drafters import DraftExperts, draftexpert
+    from draftexpert.loader import build_model
+    from draftexpert.speculative import SpecConfig, SpeculativeDecoder
+
+    hf, tok = load_target(folder)
+    hf = hf.float()
+    hf.set_experts_implementation("eager")
+    _, val_data = token_splits(folder, log)
+    windows = eval_windows(val_data, EVAL_WINDOWS, seq_len)
+    lean = build_model(folder, "host")
+    layers = [i for i, _ in moe_layers(hf)]
+    rows = {}
+    for preset in presets:
+        if preset == "top1":
+            experts, meta = DraftExperts.zeros(layers, lean.cfg.hidden, lean.cfg.moe_inter), {"preset": "top1"}
+        else:
+            path = find_draft_experts(model, folder, preset)
+            if path is None:
+                log(f"{preset}: no checkpoint in {experts_dir(model, folder)}; run `bench distill --model {model} "
+                    f"--preset {preset}`")
+                continue
+            experts, meta = load_draft_experts(path, folder)
+        module = DraftExpertModule(layers, lean.cfg.hidden, experts.intermediate, seed=0)
+        module.load_experts(experts)
+        row = evaluate(hf, module, windows)
+        dec = SpeculativeDecoder(lean, draftexpert(lean, experts), SpecConfig(k_max=4, truncate=False, prefetch=True))
+        acc = drafted = hits = issued = 0
+        for p in prompts:
+            st = dec.generate(render_prompt(tok, p["prompt"]), max_new_tokens, tok.eos_token_id).stats
+            acc, drafted = acc + st["accepted"], drafted + st["drafted"]
+            hits, issued = hits + st["ledger"]["prefetch"]["hits"], issued + st["ledger"]["prefetch"]["issued"]
+        row.update(acceptance_k4=acc / drafted if drafted else None, prefetch_hit_rate=hits / issued if issued else None,
+                   steps=meta.get("steps", 0), tokens=meta.get("tokens", 0), train_seconds=meta.get("train_seconds", 0.0))
+        rows[preset] = row
+        log(f"{preset}: KL {row['kl']:.4f}, token agreement {row['token_agreement']:.3f}, router agreement "
+            f"{row['router_agreement']:.3f}, α(K=4) {row['acceptance_k4']:.3f}, prefetch hit {row['prefetch_hit_rate']:.3f}")
+    lean.experts.close()
+    return {"model": model, "held_out_windows": len(windows) * 4, "seq_len": seq_len, "prompts": len(prompts),
+            "max_new_tokens": max_new_tokens, "presets": rows}
+
+
+def table(result: dict) -> str:
+    lines = ["| preset | KL(target‖draft) | token agreement | router agreement | α at K=4 | prefetch hit | steps | tokens | train s |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for p, r in result["presets"].items():
+        lines.append(f"| {p} | {r['kl']:.4f} | {r['token_agreement']:.3f} | {r['router_agreement']:.3f} | "
+                     f"{r['acceptance_k4']:.3f} | {r['prefetch_hit_rate']:.3f} | {r['steps']} | {r['tokens']:,} | "
+                     f"{r['train_seconds']:.0f} |")
+    return "\n".join(lines)

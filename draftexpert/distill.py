@@ -1,0 +1,393 @@
+"""Self-distilled draft experts (Eq. 6–11): one resident draft expert per MoE layer, trained so that
+shared + top-1 + γ·draft expert agrees with the frozen full MoE.
+
+Paths, on the same teacher-forced tokens x [B, T] through the frozen transformers model:
+  target path  the unmodified model: h*_l enters MoE layer l, y*_l leaves it, z* are the logits.
+  draft path   every MoE layer computes y^d_l = S_l(h^d) + g_{l,e1} E_{l,e1}(h^d) + γ_l E^d_l(h^d)
+               (Eq. 5), e1 the router's first choice on h^d; z^d are its logits. The gate weight
+               g_{l,e1} is the target's weight for e1 (see `draftexpert.drafters`).
+Losses (each term a mean over tokens, and over MoE layers for the per-layer terms):
+  L_res    = ‖γ_l E^d_l(h^d_l) − m*_l‖²,  m*_l = y*_l − S_l(h*_l) − g_{l,e1} E_{l,e1}(h*_l)   (Eq. 6–7)
+             the draft expert sees the draft path's state (what it sees when drafting); the
+             target is the residual the draft path is missing, measured on the target path.
+  L_logit  = T² · KL(softmax(z*/T) ‖ softmax(z^d/T))                                       (Eq. 8)
+  L_tok    = CE(argmax z*, softmax(z^d))                                                   (Eq. 9)
+  L_router = KL(R_l(h*_l) ‖ R_l(h^d_l)),  R = softmax of the router logits (V2), the sigmoid
+             scores normalised to sum 1 (V3)                                                (Eq. 10)
+  L = L_logit + α L_tok + β L_res + η L_router                                             (Eq. 11)
+Only the draft experts and γ train; the target's parameters have requires_grad False and are
+checked unchanged. Teacher activations are computed once per batch under no_grad.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from draftexpert.drafters import DraftExperts
+from draftexpert.model import ModelConfig, route
+
+# Table 5's rows, cumulative: which terms each preset switches on (weights α, β, η below).
+PRESETS = {
+    "top1": (),  # no training: the zero draft expert, i.e. shared + top-1
+    "residual": ("res",),
+    "logit-token": ("res", "logit", "tok"),
+    "full": ("res", "logit", "tok", "router"),
+}
+PRESETS["router"] = PRESETS["full"]  # Table 5's "+ Router" row is Eq. 11 in full
+
+
+class DistillError(ValueError):
+    """A draft-expert checkpoint that does not belong to this target, or a bad preset."""
+
+
+@dataclass
+class DistillConfig:
+    preset: str = "full"
+    intermediate: int = 128  # I_d of each draft expert (the routed experts' size by default)
+    learn_gamma: bool = True  # γ_l learned (initialised at 1) or fixed at 1
+    alpha: float = 1.0  # L_tok weight
+    beta: float = 1.0  # L_res weight
+    eta: float = 1.0  # L_router weight
+    temperature: float = 1.0  # T of L_logit
+    steps: int = 600
+    batch_size: int = 8
+    seq_len: int = 256
+    lr: float = 2e-3
+    warmup: int = 30
+    seed: int = 0
+    threads: int = 1
+    eval_every: int = 100
+    checkpoint_every: int = 50
+
+    def __post_init__(self):
+        if self.preset not in PRESETS:
+            raise DistillError(f"unknown preset {self.preset!r}; known: {', '.join(PRESETS)}")
+
+
+class DraftExpertModule(nn.Module):
+    """The trainable part: per MoE layer gate_up [2·I_d, H] (gate rows, then up rows), down [H, I_d]
+    and log-free scale γ_l. down starts at 0, so training starts exactly at shared + top-1."""
+
+    def __init__(self, moe_layers: list[int], hidden: int, intermediate: int, learn_gamma: bool = True, seed: int = 0):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.layers = list(moe_layers)
+        self.gate_up = nn.ParameterDict({str(i): nn.Parameter(torch.randn(2 * intermediate, hidden, generator=g)
+                                                              * hidden ** -0.5) for i in moe_layers})
+        self.down = nn.ParameterDict({str(i): nn.Parameter(torch.zeros(hidden, intermediate)) for i in moe_layers})
+        self.gamma = nn.ParameterDict({str(i): nn.Parameter(torch.ones(()), requires_grad=learn_gamma)
+                                       for i in moe_layers})
+
+    def forward(self, layer: int, h: torch.Tensor) -> torch.Tensor:
+        """γ_l E^d_l(h): h [N, H] → [N, H]."""
+        g, u = F.linear(h, self.gate_up[str(layer)]).chunk(2, dim=-1)
+        return self.gamma[str(layer)] * F.linear(F.silu(g) * u, self.down[str(layer)])
+
+    @torch.no_grad()
+    def load_experts(self, experts: DraftExperts) -> None:
+        for i in self.layers:
+            self.gate_up[str(i)].copy_(experts.gate_up[i])
+            self.down[str(i)].copy_(experts.down[i])
+            self.gamma[str(i)].fill_(experts.gamma[i])
+
+    def export(self) -> DraftExperts:
+        return DraftExperts({i: self.gate_up[str(i)].detach().clone() for i in self.layers},
+                            {i: self.down[str(i)].detach().clone() for i in self.layers},
+                            {i: float(self.gamma[str(i)].detach()) for i in self.layers})
+
+
+# -- the two paths ------------------------------------------------------------------------------
+
+def moe_layers(hf_model) -> list[tuple[int, nn.Module]]:
+    return [(i, layer.mlp) for i, layer in enumerate(hf_model.model.layers) if hasattr(layer.mlp, "gate")]
+
+
+def router_choice(moe: nn.Module, cfg: ModelConfig, h: torch.Tensor):
+    """h [N, H] → (router logits [N, E] fp32, target gate weights [N, k], experts [N, k]) through the
+    runtime's own `route` (so e1 and g_{l,e1} are the ones the drafter uses when decoding)."""
+    logits = F.linear(h.float(), moe.gate.weight.float())
+    bias = getattr(moe.gate, "e_score_correction_bias", None)
+    w, idx = route(logits, cfg, cfg.top_k, bias)
+    return logits, w, idx
+
+
+def top1_term(moe: nn.Module, h: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """g_{l,e1} E_{l,e1}(h) for each token: h [N, H], w / idx [N, k] (best first) → [N, H]."""
+    e1, g1 = idx[:, 0], w[:, 0:1].to(h.dtype)
+    out = torch.zeros_like(h)
+    for e in e1.unique().tolist():
+        tok = (e1 == e).nonzero(as_tuple=True)[0]
+        gate, up = F.linear(h[tok], moe.experts.gate_up_proj[e]).chunk(2, dim=-1)
+        out = out.index_add(0, tok, F.linear(F.silu(gate) * up, moe.experts.down_proj[e]) * g1[tok])
+    return out
+
+
+def router_distribution(logits: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """log R_l(h) [N, E]: log-softmax (V2); log of sigmoid scores normalised to 1 (V3)."""
+    if not cfg.v3:
+        return logits.log_softmax(-1)
+    s = logits.sigmoid()
+    return (s / s.sum(-1, keepdim=True)).clamp_min(1e-20).log()
+
+
+@torch.no_grad()
+def target_pass(model, cfg: ModelConfig, x: torch.Tensor) -> dict:
+    """Teacher activations for x [B, T]: logits z*, and per MoE layer m*_l [B·T, H] and log R_l(h*)."""
+    acts: dict[int, dict] = {}
+
+    def hook(i):
+        def fn(moe, inputs, output):
+            h = inputs[0].reshape(-1, inputs[0].shape[-1])
+            logits, w, idx = router_choice(moe, cfg, h)
+            m = output.reshape(-1, h.shape[-1]) - moe.shared_experts(h) - top1_term(moe, h, w, idx)
+            acts[i] = {"m": m, "log_r": router_distribution(logits, cfg), "topk": idx}
+        return fn
+
+    handles = [moe.register_forward_hook(hook(i)) for i, moe in moe_layers(model)]
+    try:
+        z = model(input_ids=x).logits
+    finally:
+        for h in handles:
+            h.remove()
+    return {"logits": z, "layers": acts}
+
+
+def draft_pass(model, cfg: ModelConfig, draft: DraftExpertModule, x: torch.Tensor) -> dict:
+    """The draft path on x [B, T] with gradients into `draft`: logits z^d and, per MoE layer, the
+    draft expert's output γE^d(h^d), log R_l(h^d) and the draft router's top-k."""
+    acts: dict[int, dict] = {}
+
+    def make_forward(i, moe):
+        def forward(hidden):
+            shape = hidden.shape
+            h = hidden.reshape(-1, shape[-1])
+            logits, w, idx = router_choice(moe, cfg, h)
+            de = draft(i, h)
+            acts[i] = {"de": de, "log_r": router_distribution(logits, cfg), "topk": idx}
+            return (moe.shared_experts(h) + top1_term(moe, h, w, idx) + de).reshape(shape)
+        return forward
+
+    for i, moe in moe_layers(model):
+        moe.forward = make_forward(i, moe)
+    try:
+        z = model(input_ids=x).logits
+    finally:
+        for i, moe in moe_layers(model):
+            del moe.forward  # the class's forward again
+    return {"logits": z, "layers": acts}
+
+
+def losses(target: dict, draft: dict, terms: tuple[str, ...], temperature: float = 1.0) -> dict[str, torch.Tensor]:
+    """Each switched-on term of Eq. 6–10 as a scalar (mean over tokens, and MoE layers)."""
+    out = {}
+    zt, zd = target["logits"].flatten(0, 1).float(), draft["logits"].flatten(0, 1).float()
+    if "res" in terms:
+        out["res"] = torch.stack([(draft["layers"][i]["de"] - a["m"]).pow(2).sum(-1).mean()
+                                  for i, a in target["layers"].items()]).mean()
+    if "logit" in terms:
+        T = temperature
+        out["logit"] = T * T * F.kl_div((zd / T).log_softmax(-1), (zt / T).log_softmax(-1), log_target=True,
+                                        reduction="batchmean")
+    if "tok" in terms:
+        out["tok"] = F.cross_entropy(zd, zt.argmax(-1))
+    if "router" in terms:
+        out["router"] = torch.stack([F.kl_div(draft["layers"][i]["log_r"], a["log_r"], log_target=True,
+                                              reduction="batchmean") for i, a in target["layers"].items()]).mean()
+    return out
+
+
+def total_loss(parts: dict[str, torch.Tensor], cfg: DistillConfig) -> torch.Tensor:
+    """L = L_logit + α L_tok + β L_res + η L_router (Eq. 11), over the preset's terms."""
+    w = {"logit": 1.0, "tok": cfg.alpha, "res": cfg.beta, "router": cfg.eta}
+    return sum(w[k] * v for k, v in parts.items())
+
+
+# -- metrics (Table 5) --------------------------------------------------------------------------
+
+@torch.no_grad()
+def agreement(target: dict, draft: dict, k: int) -> dict:
+    """Next-token KL(target ‖ draft), token agreement (argmax equal), router agreement
+    |draft top-k ∩ target top-k| / k (mean over MoE layers and tokens) — sums and counts."""
+    zt, zd = target["logits"].flatten(0, 1).float(), draft["logits"].flatten(0, 1).float()
+    kl = F.kl_div(zd.log_softmax(-1), zt.log_softmax(-1), log_target=True, reduction="sum").item()
+    agree = (zt.argmax(-1) == zd.argmax(-1)).sum().item()
+    inter, n_route = 0.0, 0
+    for i, a in target["layers"].items():
+        t, d = a["topk"], draft["layers"][i]["topk"]
+        inter += (t[:, :, None] == d[:, None, :]).any(-1).sum().item() / k
+        n_route += t.shape[0]
+    return {"kl_sum": kl, "agree": agree, "tokens": zt.shape[0], "router_sum": inter, "router_n": n_route}
+
+
+# -- checkpoints --------------------------------------------------------------------------------
+
+def target_fingerprint(folder: Path) -> str:
+    """sha256 over the target's safetensors files (names and bytes): the identity a draft-expert
+    checkpoint is paired with."""
+    h = hashlib.sha256()
+    for p in sorted(Path(folder).glob("*.safetensors")):
+        h.update(p.name.encode())
+        with open(p, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 22), b""):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def save_draft_experts(path: Path, experts: DraftExperts, target_folder: Path, meta: dict) -> None:
+    """safetensors with `layers.<l>.{gate_up,down,gamma}` and metadata: the target's fingerprint,
+    the preset and how it was trained."""
+    from safetensors.torch import save_file
+
+    tensors = {}
+    for i in experts.gate_up:
+        tensors[f"layers.{i}.gate_up"] = experts.gate_up[i].float().contiguous()
+        tensors[f"layers.{i}.down"] = experts.down[i].float().contiguous()
+        tensors[f"layers.{i}.gamma"] = torch.tensor([experts.gamma[i]], dtype=torch.float32)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".part")
+    save_file(tensors, str(tmp), metadata={"target_sha256": target_fingerprint(target_folder),
+                                           "draftexpert": json.dumps(meta)})
+    tmp.rename(path)
+
+
+def load_draft_experts(path: Path, target_folder: Path) -> tuple[DraftExperts, dict]:
+    """Draft experts paired with the target in `target_folder`; refuses any other target."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        raise DistillError(f"no draft-expert checkpoint at {path}: train one with "
+                           f"`bench distill --model <model> --preset full` or pass --draft-experts <file>")
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata() or {}
+        want = meta.get("target_sha256")
+        have = target_fingerprint(target_folder)
+        if want != have:
+            raise DistillError(f"{path} was distilled from a different target (its weights hash "
+                               f"{str(want)[:12]}…, the model in {target_folder} hashes {have[:12]}…): draft experts only "
+                               "fit the exact target they were trained against")
+        layers = sorted({int(k.split(".")[1]) for k in f.keys()})
+        de = DraftExperts({i: f.get_tensor(f"layers.{i}.gate_up") for i in layers},
+                          {i: f.get_tensor(f"layers.{i}.down") for i in layers},
+                          {i: float(f.get_tensor(f"layers.{i}.gamma")[0]) for i in layers})
+    return de, json.loads(meta.get("draftexpert", "{}"))
+
+
+
+
+# -- training -----------------------------------------------------------------------------------
+
+def sample_batch(data, step: int, cfg: DistillConfig) -> torch.Tensor:
+    """B windows of T tokens at positions drawn from a generator seeded by (seed, step): a resumed
+    run sees the same batches."""
+    import numpy as np
+
+    rng = np.random.default_rng([cfg.seed, step])
+    starts = rng.integers(0, len(data) - cfg.seq_len, size=cfg.batch_size)
+    return torch.from_numpy(np.stack([data[s:s + cfg.seq_len] for s in starts]).astype(np.int64))
+
+
+def eval_windows(data, n: int, seq_len: int) -> list[torch.Tensor]:
+    """n windows spread evenly over a held-out split, in batches of 4."""
+    import numpy as np
+
+    stride = max(seq_len, (len(data) - seq_len) // n)
+    rows = [np.asarray(data[i * stride:i * stride + seq_len], dtype=np.int64) for i in range(n)
+            if i * stride + seq_len <= len(data)]
+    return [torch.from_numpy(np.stack(rows[i:i + 4])) for i in range(0, len(rows), 4)]
+
+
+@torch.no_grad()
+def evaluate(model, draft: DraftExpertModule, windows: list[torch.Tensor]) -> dict:
+    """Table 5's platform-independent metrics on held-out windows (teacher-forced):
+      kl                = mean over tokens of KL(target ‖ draft) of the next-token distributions
+      token_agreement   = fraction of tokens with draft argmax = target argmax
+      router_agreement  = mean over MoE layers and tokens of |draft top-k ∩ target top-k| / k"""
+    cfg = ModelConfig.from_hf(model.config)
+    tot = {"kl_sum": 0.0, "agree": 0, "tokens": 0, "router_sum": 0.0, "router_n": 0}
+    for x in windows:
+        a = agreement(target_pass(model, cfg, x), draft_pass(model, cfg, draft, x), cfg.top_k)
+        for k in tot:
+            tot[k] += a[k]
+    return {"kl": tot["kl_sum"] / tot["tokens"], "token_agreement": tot["agree"] / tot["tokens"],
+            "router_agreement": tot["router_sum"] / tot["router_n"], "tokens": tot["tokens"]}
+
+
+def lr_at(step: int, cfg: DistillConfig) -> float:
+    import math
+
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    t = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
+
+
+def train(model, train_data, val_windows: list[torch.Tensor], cfg: DistillConfig, state_dir: Path,
+          log=print, progress: bool = True) -> tuple[DraftExpertModule, list[dict]]:
+    """Distil draft experts for the frozen transformers `model` (resumable from `state_dir`).
+    Returns the module and the history: one record per step (each loss term, lr, seconds) and an
+    evaluation record every `eval_every` steps."""
+    import time
+
+    torch.set_num_threads(cfg.threads)
+    model.requires_grad_(False).eval()
+    mcfg = ModelConfig.from_hf(model.config)
+    draft = DraftExpertModule([i for i, _ in moe_layers(model)], mcfg.hidden, cfg.intermediate, cfg.learn_gamma,
+                              cfg.seed)
+    terms = PRESETS[cfg.preset]
+    opt = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=0.0)
+    state_path, start, history = Path(state_dir) / "state.pt", 0, []
+    if state_path.exists():
+        st = torch.load(state_path, weights_only=False)
+        if st["config"] != asdict(cfg):
+            raise DistillError(f"{state_path} holds a run with another configuration ({st['config']}); "
+                               "delete it or pass the same options to resume")
+        draft.load_state_dict(st["draft"])
+        opt.load_state_dict(st["opt"])
+        start, history = st["step"], st["history"]
+        log(f"resuming {cfg.preset} at step {start}")
+    steps = cfg.steps if terms else 0
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=steps, initial=start, desc=f"distill {cfg.preset}", unit="step")
+    t_run = time.perf_counter()
+    for step in range(start, steps):
+        t0 = time.perf_counter()
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, cfg)
+        x = sample_batch(train_data, step, cfg)
+        parts = losses(target_pass(model, mcfg, x), draft_pass(model, mcfg, draft, x), terms, cfg.temperature)
+        loss = total_loss(parts, cfg)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
+        opt.step()
+        rec = {"step": step + 1, "loss": loss.item(), **{k: v.item() for k, v in parts.items()},
+               "lr": opt.param_groups[0]["lr"], "seconds": time.perf_counter() - t0, "tokens": x.numel()}
+        if (step + 1) % cfg.eval_every == 0 or step + 1 == steps:
+            rec["eval"] = evaluate(model, draft, val_windows)
+            log(f"step {step + 1}: loss {rec['loss']:.4f} " + " ".join(f"{k} {rec[k]:.4f}" for k in parts)
+                + f" | held-out KL {rec['eval']['kl']:.4f}, token agreement {rec['eval']['token_agreement']:.3f}, "
+                  f"router agreement {rec['eval']['router_agreement']:.3f}")
+        history.append(rec)
+        if bar:
+            bar.update(1)
+            bar.set_postfix(loss=f"{rec['loss']:.4f}")
+        if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == steps:
+            state_path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = state_path.with_suffix(".part")
+            torch.save({"config": asdict(cfg), "draft": draft.state_dict(), "opt": opt.state_dict(),
+                        "step": step + 1, "history": history}, tmp)
+            tmp.rename(state_path)
+    if bar:
+        bar.close()
+    log(f"{cfg.preset}: {steps - start} steps in {time.perf_counter() - t_run:.0f} s this session")
+    return draft, history

@@ -1,0 +1,114 @@
+"""Self-distillation of draft experts: the loss terms on hand-checkable cases, the training path
+equal to the decoding path, a frozen target, and checkpoints that refuse a foreign target."""
+import pytest
+import torch
+from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
+
+from draftexpert.distill import (DistillConfig, DistillError, DraftExpertModule, draft_pass, eval_windows, load_draft_experts,
+                                 losses, save_draft_experts, target_pass, train)
+from draftexpert.drafters import draftexpert
+from draftexpert.model import KVCache, ModelConfig, from_hf_model
+
+COMMON = dict(vocab_size=300, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
+              first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=16,
+              n_shared_experts=2, q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16,
+              qk_rope_head_dim=8, v_head_dim=16, n_group=1, topk_group=1, initializer_range=0.3)
+
+
+def model(version: str, top_k: int = 4):
+    torch.manual_seed(0)
+    if version == "v2":
+        m = DeepseekV2ForCausalLM(DeepseekV2Config(**COMMON, num_experts_per_tok=top_k, topk_method="greedy"))
+    else:
+        m = DeepseekV3ForCausalLM(DeepseekV3Config(**COMMON, num_experts_per_tok=top_k, norm_topk_prob=True,
+                                                   routed_scaling_factor=2.5))
+        for layer in m.model.layers[1:]:
+            layer.mlp.gate.e_score_correction_bias.normal_(0, 0.05)
+    m.set_experts_implementation("eager")
+    return m.eval()
+
+
+X = torch.randint(3, 300, (2, 12), generator=torch.Generator().manual_seed(0))
+
+
+def test_loss_terms_on_hand_made_activations():
+    m = torch.randn(5, 8)
+    z = torch.randn(1, 5, 11)
+    log_r = torch.randn(5, 6).log_softmax(-1)
+    target = {"logits": z, "layers": {1: {"m": m, "log_r": log_r}}}
+    same = {"logits": z.clone(), "layers": {1: {"de": m.clone(), "log_r": log_r.clone()}}}
+    parts = losses(target, same, ("res", "logit", "tok", "router"))
+    assert parts["res"] == 0 and parts["logit"].abs() < 1e-6 and parts["router"].abs() < 1e-6
+    assert torch.isclose(parts["tok"], torch.nn.functional.cross_entropy(z[0], z[0].argmax(-1)))
+    off = {"logits": z, "layers": {1: {"de": m + 1.0, "log_r": log_r}}}
+    assert torch.isclose(losses(target, off, ("res",))["res"], torch.tensor(8.0))  # ‖1‖² over H = 8
+    assert set(losses(target, same, ("res",))) == {"res"}
+
+
+@pytest.mark.parametrize("version", ["v2", "v3"])
+def test_top1_target_has_no_missing_residual(version):
+    """With top_k = 1 the draft path with a zero draft expert *is* the target: m* = 0, equal logits,
+    and the residual loss of a zero draft expert is 0 — the gate weight g_{l,e1} is the target's."""
+    hf = model(version, top_k=1)
+    cfg = ModelConfig.from_hf(hf.config)
+    zero = DraftExpertModule([1, 2], 64, 8)
+    t = target_pass(hf, cfg, X)
+    d = draft_pass(hf, cfg, zero, X)
+    assert all(a["m"].abs().max() < 1e-5 for a in t["layers"].values())
+    assert (t["logits"] - d["logits"]).abs().max() < 1e-5
+    assert losses(t, d, ("res",))["res"] < 1e-9
+
+
+@pytest.mark.parametrize("version", ["v2", "v3"])
+def test_training_path_equals_decoding_path(version):
+    """A trained-looking (random) draft expert gives the same draft logits in the distillation
+    path (transformers + hooks) and in the runtime's DraftExpert drafter."""
+    hf = model(version)
+    cfg = ModelConfig.from_hf(hf.config)
+    draft = DraftExpertModule([1, 2], 64, 8, seed=3)
+    with torch.no_grad():
+        for p in draft.down.values():
+            p.normal_(0, 0.3)
+        draft.gamma["1"].fill_(0.7)
+    z = draft_pass(hf, cfg, draft, X[:1])["logits"][0]
+    lean = from_hf_model(hf)
+    got = lean.forward(X[0], KVCache.for_model(lean, 16), path=draftexpert(lean, draft.export()))
+    assert (got - z).abs().max() < 1e-4
+
+
+def test_distillation_trains_only_the_draft_experts(tmp_path):
+    import numpy as np
+
+    hf = model("v2")
+    before = {k: v.clone() for k, v in hf.state_dict().items()}
+    data = np.random.default_rng(0).integers(3, 300, 4000).astype(np.uint16)
+    cfg = DistillConfig(preset="full", intermediate=8, steps=6, batch_size=2, seq_len=16, eval_every=3,
+                        checkpoint_every=3, warmup=1)
+    draft, hist = train(hf, data, eval_windows(data, 4, 16), cfg, tmp_path / "state", log=lambda m: None, progress=False)
+    assert all(torch.equal(before[k], v) for k, v in hf.state_dict().items())
+    assert all(p.abs().sum() > 0 for p in draft.down.values())  # started at 0, moved
+    assert {"res", "logit", "tok", "router", "loss"} <= set(hist[0]) and "eval" in hist[2]
+    # resuming a finished run does nothing more and returns the same experts
+    again, hist2 = train(hf, data, eval_windows(data, 4, 16), cfg, tmp_path / "state", log=lambda m: None, progress=False)
+    assert len(hist2) == 6 and all(torch.equal(a, b) for a, b in zip(draft.parameters(), again.parameters()))
+    with pytest.raises(DistillError, match="another configuration"):
+        train(hf, data, [], DistillConfig(preset="residual", intermediate=8, steps=6, batch_size=2, seq_len=16),
+              tmp_path / "state", log=lambda m: None, progress=False)
+
+
+def test_checkpoint_refuses_a_foreign_target(tmp_path):
+    a, b = model("v2"), model("v2")
+    with torch.no_grad():
+        b.model.norm.weight.mul_(1.5)
+    a.save_pretrained(tmp_path / "a")
+    b.save_pretrained(tmp_path / "b")
+    experts = DraftExpertModule([1, 2], 64, 8).export()
+    save_draft_experts(tmp_path / "de.safetensors", experts, tmp_path / "a", {"preset": "full"})
+    got, meta = load_draft_experts(tmp_path / "de.safetensors", tmp_path / "a")
+    assert meta == {"preset": "full"} and torch.equal(got.gate_up[1], experts.gate_up[1])
+    with pytest.raises(DistillError, match="different target"):
+        load_draft_experts(tmp_path / "de.safetensors", tmp_path / "b")
+    with pytest.raises(DistillError, match="bench distill"):
+        load_draft_experts(tmp_path / "missing.safetensors", tmp_path / "a")
+    with pytest.raises(DistillError, match="unknown preset"):
+        DistillConfig(preset="everything")
