@@ -265,6 +265,9 @@ def run(model: Annotated[str, typer.Option("--model", help="ds | ml | ds-tiny | 
                                                "verifier experts.")] = True,
         draft_cache: Annotated[str, typer.Option("--draft-cache", help="shared (drafter reads the target's KV cache) "
                                                  "| own (its own cache)")] = "shared",
+        draft_experts: Annotated[Path | None, typer.Option("--draft-experts", help="draftexpert: a distilled checkpoint "
+                                                           "(default: the model's `full` preset if distilled, else "
+                                                           "zero = shared+top-1).")] = None,
         as_json: JsonOpt = False):
     """Decode the prompt suites with one method; one record per prompt, resumable.
 
@@ -318,8 +321,9 @@ def run(model: Annotated[str, typer.Option("--model", help="ds | ml | ds-tiny | 
                                                temperature=temperature, seed=seed, max_new_tokens=max_new_tokens,
                                                expert_file=lambda qt: expert_file(model, folder, qt),
                                                spec=dict(r=r, k_max=k_max, tau=tau, budget=budget, budget_mode=budget_mode,
-                                                         truncate=truncate, prefetch=prefetch, draft_cache=draft_cache))
-    except (CheckpointError, ExpertFileError, ValueError) as e:
+                                                         truncate=truncate, prefetch=prefetch, draft_cache=draft_cache,
+                                                         draft_experts=draft_experts))
+    except (CheckpointError, ExpertFileError, ValueError) as e:  # DistillError is a ValueError
         fail(str(e))
     label = f"top-{r}" if method == "top-r" else method
     run_dir = out or (REPO_ROOT / "runs" / f"{model}-{label}-{cfg.platform}")
@@ -345,6 +349,8 @@ def compare(model: Annotated[str, typer.Option("--model")] = "ds-tiny", model_pa
             k_max: Annotated[int, typer.Option("--k-max", min=1)] = 4,
             tau: Annotated[float, typer.Option("--tau", min=0.0, max=1.0)] = 0.6,
             budget: Annotated[int, typer.Option("--budget", min=0)] = 24,
+            draft_experts: Annotated[Path | None, typer.Option("--draft-experts", help="Distilled checkpoint "
+                                                               "(default: the model's `full` preset, else zero).")] = None,
             threads: Annotated[int | None, typer.Option("--threads", min=1, help="torch CPU threads.")] = None,
             out: Annotated[Path | None, typer.Option("--out", help="Folder of the per-method run folders.")] = None,
             as_json: JsonOpt = False):
@@ -378,7 +384,7 @@ def compare(model: Annotated[str, typer.Option("--model")] = "ds-tiny", model_pa
     out_dir = out or (REPO_ROOT / "runs" / f"compare-{model}-{platform}")
     try:
         res = cmp.compare(model, folder, platform, recs, out_dir, max_new_tokens,
-                          dict(k_max=k_max, tau=tau, budget=budget), expert_type,
+                          dict(k_max=k_max, tau=tau, budget=budget, draft_experts=draft_experts), expert_type,
                           lambda qt: expert_file(model, folder, qt), collect(out_dir, measure_io=True),
                           labels=method, log=log)
     except (CheckpointError, ExpertFileError, ValueError) as e:
@@ -594,8 +600,8 @@ def distill_eval_cmd(model: Annotated[str, typer.Option("--model")] = "ds-tiny",
                      max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", min=2)] = 64,
                      seq_len: Annotated[int, typer.Option("--seq-len", min=8)] = 256,
                      threads: Annotated[int, typer.Option("--threads", min=1)] = 1,
-                     card: Annotated[bool, typer.Option("--card", help="Write the table into the draft experts' "
-                                                        "folder (table5.md, table5.json).")] = False,
+                     card: Annotated[bool, typer.Option("--card", help="Write table5.json and the card (README.md) "
+                                                        "into the draft experts' folder.")] = False,
                      as_json: JsonOpt = False):
     """Table 5: per preset, KL(target‖draft) and token / router agreement on held-out text, and
     DraftExpert's acceptance and prefetch hit rate at K = 4 on the prompt suites (five suites, no
@@ -621,7 +627,7 @@ def distill_eval_cmd(model: Annotated[str, typer.Option("--model")] = "ds-tiny",
         d = bd.experts_dir(model, folder)
         d.mkdir(parents=True, exist_ok=True)
         (d / "table5.json").write_text(json.dumps(r, indent=2) + "\n")
-        (d / "table5.md").write_text(bd.table(r) + "\n")
+        bd.write_card(model, folder, r)
     emit(r, as_json, bd.table(r))
 
 

@@ -40,6 +40,7 @@ def compare(model: str, folder: Path, platform: str, prompts: list[dict], out_di
         recs = [r for r in read_records(run_dir / "records.jsonl") if r["config_hash"] == summary["config_hash"]]
         rows[label] = aggregate(recs)
         rows[label]["tokens"] = {r["prompt_id"]: r["tokens"] for r in recs}
+        rows[label]["method_args"] = cfg.method_args
     ar = rows.get("ar", {}).get("decode_tps")
     for row in rows.values():
         row["speedup"] = row["decode_tps"] / ar if ar else None

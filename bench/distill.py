@@ -144,3 +144,43 @@ def table(result: dict) -> str:
                      f"{r['acceptance_k4']:.3f} | {r['prefetch_hit_rate']:.3f} | {r['steps']} | {r['tokens']:,} | "
                      f"{r['train_seconds']:.0f} |")
     return "\n".join(lines)
+
+
+def write_card(model: str, folder: Path, result: dict) -> Path:
+    """models/<m>/draft_experts/README.md: what was trained, how, and Table 5 on held-out data."""
+    from draftexpert.distill import load_draft_experts
+
+    d = experts_dir(model, folder)
+    lines = [f"# Draft experts for `{model}`", "",
+             "One resident draft expert per MoE layer (an MLP of the routed experts' form, scaled by a learned γ_l), "
+             "self-distilled from the frozen target so that shared + top-1 + draft expert agrees with the full MoE "
+             "(Eq. 5–11; `draftexpert/distill.py`). Each checkpoint is paired with the target's weights (sha256 in its "
+             "metadata) and refused by any other target.", "",
+             "| preset | loss terms | steps | tokens | train wall s | file |", "|---|---|---|---|---|---|"]
+    from draftexpert.distill import PRESETS
+
+    for preset in PRESET_ORDER[1:]:
+        p = d / f"{preset}.safetensors"
+        if not p.exists():
+            continue
+        _, meta = load_draft_experts(p, folder)
+        lines.append(f"| {preset} | {', '.join(PRESETS[preset])} | {meta['steps']} | {meta['tokens']:,} | "
+                     f"{meta['train_seconds']:.0f} | `{p.name}` |")
+    cfg = meta["config"]
+    lines += ["", f"Training: corpus training split (decontaminated against every evaluation prompt), teacher-forced "
+              f"windows of {cfg['seq_len']} tokens, batch {cfg['batch_size']}, AdamW lr {cfg['lr']} (warm-up "
+              f"{cfg['warmup']}, cosine to 10%), draft-expert width {cfg['intermediate']}, γ "
+              f"{'learned' if cfg['learn_gamma'] else 'fixed at 1'}, α = {cfg['alpha']}, β = {cfg['beta']}, "
+              f"η = {cfg['eta']}, T = {cfg['temperature']}, {cfg['threads']} thread(s), seed {cfg['seed']}. "
+              f"Reproduce: `bench distill --model {model} --preset <preset> --steps {cfg['steps']} --threads "
+              f"{cfg['threads']}`.", "",
+              "## Table 5 (`bench distill-eval --model " + model + " --card`)", "",
+              f"Held-out: {result['held_out_windows']} validation windows of {result['seq_len']} tokens; α and prefetch "
+              f"hit rate from DraftExpert at K = 4 (greedy, no truncation, prefetch on) on {result['prompts']} prompts "
+              f"of five suites, {result['max_new_tokens']} new tokens. `top1` is the untrained (zero) draft expert, "
+              "i.e. shared + top-1.", "", table(result), ""]
+    for preset in PRESET_ORDER[1:]:
+        if (d / f"{preset}.loss.png").exists():
+            lines += [f"![{preset} loss]({preset}.loss.png)", ""]
+    (d / "README.md").write_text("\n".join(lines))
+    return d / "README.md"

@@ -99,17 +99,35 @@ def make_decoder(model: str, folder: Path, method: str, platform: str, expert_ty
 
         spec = dict(spec or {})
         r = spec.pop("r", 1)
+        de_file = spec.pop("draft_experts", None)
         conf = SpecConfig(**spec, temperature=temperature, seed=seed)
-        path = make_draft_path(target, method, r=r)
+        experts, de_meta = (load_experts(model, folder, de_file) if method == "draftexpert" else (None, None))
+        path = make_draft_path(target, method, r=r, experts=experts)
         decoder = SpeculativeDecoder(target, path, conf)
         args.update({k: v for k, v in asdict(conf).items() if k not in ("temperature", "seed")})
         if method == "top-r":
             args["r"] = r
         else:
-            args["draft_experts"] = "zero"  # untrained until distilled draft experts are committed
+            args["draft_experts"] = de_meta
     cfg = CellConfig(model=model, method=method, platform=platform, max_new_tokens=max_new_tokens,
                      temperature=temperature, seed=seed, method_args=args)
     return decoder, tokenizer, cfg
+
+
+def load_experts(model: str, folder: Path, file: Path | str | None):
+    """(DraftExperts or None, description): `file` if given, else the model's distilled `full`
+    preset when one exists, else None — the zero draft expert (shared + top-1)."""
+    import hashlib
+
+    from bench.distill import find_draft_experts
+    from draftexpert.distill import load_draft_experts
+
+    path = Path(file) if file else find_draft_experts(model, folder, "full")
+    if path is None:
+        return None, {"preset": "zero", "file": None}
+    experts, meta = load_draft_experts(path, folder)
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()[:12]
+    return experts, {"preset": meta.get("preset"), "file": path.name, "sha256": digest, "steps": meta.get("steps")}
 
 
 def render_prompt(tokenizer, text: str) -> list[int]:

@@ -93,7 +93,7 @@ def test_speculative_runs_emit_ar_tokens_and_ledger_per_prompt(tiny_checkpoint, 
             assert r["method"] == method and r["rounds"] >= 1 and 0 <= r["acceptance"] <= 1
             assert r["prefetch_hits"] + r["prefetch_waste"] == r["prefetch_issued"]
             assert r["ledger"]["by_phase"]["verify"]["forwards"] == r["rounds"]
-    assert recs[0]["method_args"]["draft_experts"] == "zero" and recs[0]["method_args"]["k_max"] == 3
+    assert recs[0]["method_args"]["draft_experts"]["preset"] == "zero" and recs[0]["method_args"]["k_max"] == 3
 
 
 def test_reference_decoder_equals_transformers_generate(tiny_checkpoint):
