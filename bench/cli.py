@@ -268,6 +268,8 @@ def run(model: Annotated[str, typer.Option("--model", help="ds | ml | ds-tiny | 
         draft_experts: Annotated[Path | None, typer.Option("--draft-experts", help="draftexpert: a distilled checkpoint "
                                                            "(default: the model's `full` preset if distilled, else "
                                                            "zero = shared+top-1).")] = None,
+        compile: Annotated[bool, typer.Option("--compile", help="torch.compile the one-token decode step (static "
+                                              "shapes; ~20 s of compilation the first time).")] = False,
         as_json: JsonOpt = False):
     """Decode the prompt suites with one method; one record per prompt, resumable.
 
@@ -322,7 +324,7 @@ def run(model: Annotated[str, typer.Option("--model", help="ds | ml | ds-tiny | 
                                                expert_file=lambda qt: expert_file(model, folder, qt),
                                                spec=dict(r=r, k_max=k_max, tau=tau, budget=budget, budget_mode=budget_mode,
                                                          truncate=truncate, prefetch=prefetch, draft_cache=draft_cache,
-                                                         draft_experts=draft_experts))
+                                                         draft_experts=draft_experts), compile=compile)
     except (CheckpointError, ExpertFileError, ValueError) as e:  # DistillError is a ValueError
         fail(str(e))
     label = f"top-{r}" if method == "top-r" else method
@@ -352,6 +354,7 @@ def compare(model: Annotated[str, typer.Option("--model")] = "ds-tiny", model_pa
             draft_experts: Annotated[Path | None, typer.Option("--draft-experts", help="Distilled checkpoint "
                                                                "(default: the model's `full` preset, else zero).")] = None,
             threads: Annotated[int | None, typer.Option("--threads", min=1, help="torch CPU threads.")] = None,
+            compile: Annotated[bool, typer.Option("--compile", help="torch.compile the one-token decode step.")] = False,
             out: Annotated[Path | None, typer.Option("--out", help="Folder of the per-method run folders.")] = None,
             as_json: JsonOpt = False):
     """AR offload vs shared+top-r (r = 1, 2, 3; fixed K, no prefetch) vs DraftExpert (truncation +
@@ -386,7 +389,7 @@ def compare(model: Annotated[str, typer.Option("--model")] = "ds-tiny", model_pa
         res = cmp.compare(model, folder, platform, recs, out_dir, max_new_tokens,
                           dict(k_max=k_max, tau=tau, budget=budget, draft_experts=draft_experts), expert_type,
                           lambda qt: expert_file(model, folder, qt), collect(out_dir, measure_io=True),
-                          labels=method, log=log)
+                          labels=method, log=log, compile=compile)
     except (CheckpointError, ExpertFileError, ValueError) as e:
         fail(str(e))
     from paper_figs.spec_table import table
@@ -404,14 +407,17 @@ app.add_typer(speed_app, name="speed")
 def speed_overhead(model: Annotated[str, typer.Option("--model")] = "ds-tiny", model_path: ModelPathOpt = None,
                    threads: Annotated[int, typer.Option("--threads", min=1)] = 1,
                    new_tokens: Annotated[int, typer.Option("--new-tokens", min=2)] = 64,
-                   repeats: Annotated[int, typer.Option("--repeats", min=1)] = 3, as_json: JsonOpt = False):
+                   repeats: Annotated[int, typer.Option("--repeats", min=1)] = 3,
+                   compile: Annotated[bool, typer.Option("--compile/--eager", help="torch.compile the lean one-token "
+                                                         "step (static shapes).")] = False,
+                   as_json: JsonOpt = False):
     """Resident AR decode with the lean runtime vs transformers' generate (same model, threads, process)."""
     from bench import speed
 
-    r = speed.overhead(resolve_or_fail(model, model_path), threads, new_tokens, repeats, log=log)
+    r = speed.overhead(resolve_or_fail(model, model_path), threads, new_tokens, repeats, log=log, compile=compile)
     r["model"] = model
     emit(r, as_json, f"{model}, {threads} thread(s): transformers {r['transformers_ms_per_token']['median']:.2f} "
-         f"ms/token, lean {r['lean_resident_ms_per_token']['median']:.2f} ms/token → {r['speedup_median']:.2f}x "
+         f"ms/token, lean{' compiled' if compile else ''} {r['lean_resident_ms_per_token']['median']:.2f} ms/token → {r['speedup_median']:.2f}x "
          f"(tokens identical: {r['tokens_identical']})")
 
 

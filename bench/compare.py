@@ -21,7 +21,7 @@ METHODS = [
 
 def compare(model: str, folder: Path, platform: str, prompts: list[dict], out_dir: Path, max_new_tokens: int,
             spec: dict, expert_type: str, expert_file, machine: dict | None, labels: list[str] | None = None,
-            log=print) -> dict:
+            log=print, compile: bool = False) -> dict:
     from bench.results import read_records
     from paper_figs.spec_table import aggregate
     from bench.runner import make_decoder, run_cells
@@ -32,7 +32,7 @@ def compare(model: str, folder: Path, platform: str, prompts: list[dict], out_di
             continue
         decoder, tokenizer, cfg = make_decoder(model, folder, method, platform, expert_type=expert_type,
                                                max_new_tokens=max_new_tokens, expert_file=expert_file,
-                                               spec={**spec, **over})
+                                               spec={**spec, **over}, compile=compile)
         run_dir = out_dir / label
         log(f"== {label} → {run_dir}")
         summary = run_cells(cfg, prompts, decoder, tokenizer, run_dir, machine=machine, log=log)

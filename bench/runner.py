@@ -62,7 +62,7 @@ METHODS = ("ar", "reference", "top-r", "draftexpert")
 def make_decoder(model: str, folder: Path, method: str, platform: str, expert_type: str = "q4_0",
                  cache_experts: int = 0, staging_budget: int = 0, temperature: float = 0.0, seed: int = 0,
                  max_new_tokens: int = 64, expert_file: Callable[[str], Path] | None = None,
-                 spec: dict | None = None):
+                 spec: dict | None = None, compile: bool = False):
     """(decoder, tokenizer, cell config) for a method on a platform. `expert_file(type)` gives
     the GGUF expert file of the checkpoint (written once) for platform mn. `spec` holds the
     speculative methods' arguments: r, and `SpecConfig` fields (k_max, tau, budget,
@@ -87,6 +87,9 @@ def make_decoder(model: str, folder: Path, method: str, platform: str, expert_ty
     target = build_model(folder, store, device=device, gguf_path=gguf, cache_experts=cache_experts,
                          staging_budget_bytes=staging_budget)
     args = {"store": store, "device": device, "cache_experts": cache_experts}
+    if compile:  # recorded only when on, so earlier eager cells keep their keys
+        target.compile_decode()
+        args["compiled"] = True
     if store == "flash":
         args.update(expert_type=expert_type, staging_budget=staging_budget)
     if method == "ar":

@@ -1,8 +1,9 @@
 """Speed benchmarks of the runtime (`bench speed ...`): measured by commands, never by tests.
 
-- overhead: resident AR decoding with the lean runtime vs transformers' `generate` on the same
-  checkpoint, same threads, same prompt, same process, interleaved repeats; ms per new token
-  (= decode wall seconds / new tokens, prefill included in neither). Tokens must match.
+- overhead: resident AR decoding with the lean runtime (eager, or `--compile`: the one-token step's
+  dense parts through torch.compile) vs transformers' `generate` on the same checkpoint, same
+  threads, same prompt, same process, interleaved repeats; ms per new token over prefill + decode
+  (the first round, which compiles, is not counted). Tokens must match.
 - flash: one MoE layer's top-k experts through the flash store (cold: nothing cached), against
   the O_DIRECT read bandwidth `bench env` measures for the same total size on the same disk:
   efficiency = (bytes / load seconds) / O_DIRECT GB/s. Reported for the reads alone and for the
@@ -23,7 +24,8 @@ def _stats(xs: list[float]) -> dict:
     return {"min": min(xs), "median": statistics.median(xs), "max": max(xs), "n": len(xs)}
 
 
-def overhead(folder: Path, threads: int, new_tokens: int = 64, repeats: int = 3, prompt_len: int = 16, log=print) -> dict:
+def overhead(folder: Path, threads: int, new_tokens: int = 64, repeats: int = 3, prompt_len: int = 16, log=print,
+             compile: bool = False) -> dict:
     from transformers import AutoModelForCausalLM
 
     from baselines.ar import AROffloadDecoder
@@ -32,6 +34,8 @@ def overhead(folder: Path, threads: int, new_tokens: int = 64, repeats: int = 3,
     torch.set_num_threads(threads)
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, local_files_only=True).eval()
     lean = build_model(folder, "resident")
+    if compile:
+        lean.compile_decode()
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, hf.config.vocab_size, (1, prompt_len), generator=g)
     dec = AROffloadDecoder(lean)
@@ -48,7 +52,7 @@ def overhead(folder: Path, threads: int, new_tokens: int = 64, repeats: int = 3,
             hf_ms.append(1000 * t_hf / new_tokens)
             lean_ms.append(1000 * t_lean / new_tokens)
             log(f"round {rep}: transformers {hf_ms[-1]:.2f} ms/token, lean {lean_ms[-1]:.2f} ms/token")
-    res = {"threads": threads, "new_tokens": new_tokens, "prompt_len": prompt_len,
+    res = {"threads": threads, "new_tokens": new_tokens, "prompt_len": prompt_len, "compiled": compile,
            "transformers_ms_per_token": _stats(hf_ms), "lean_resident_ms_per_token": _stats(lean_ms),
            "speedup_median": statistics.median(hf_ms) / statistics.median(lean_ms), "tokens_identical": same,
            "note": "ms/token over prefill + decode of new_tokens tokens (both sides timed the same way)"}

@@ -98,10 +98,14 @@ class KVCache:
         self.k_pe = torch.zeros(cfg.layers, max_len, cfg.d_rope, device=device, dtype=dtype)
         self.length = 0
         self.max_len = max_len
+        self.positions: torch.Tensor | None = None  # arange(max_len), for the compiled step's mask
 
     @classmethod
     def for_model(cls, model: MoEModel, max_len: int) -> KVCache:
-        """A cache on the model's device, in its dtype."""
+        """A cache on the model's device, in its dtype; for a compiled model its length is rounded
+        up to a multiple of 256, so that the compiled step sees few distinct shapes."""
+        if model._compiled is not None:
+            max_len = -(-max_len // 256) * 256
         return cls(model.cfg, max_len, device=model.embed.device, dtype=model.embed.dtype)
 
     def crop(self, length: int) -> None:
@@ -182,6 +186,7 @@ class MoEModel:
             self.layers.append(lay)
         self.last_routing: dict[int, torch.Tensor] = {}
         self.last_fetched: dict[int, list[int]] = {}
+        self._compiled: dict | None = None  # compile_decode()
         self._cos = self._sin = torch.empty(0, c.d_rope // 2)  # rope tables, grown on demand
 
     def rope_tables(self, start: int, T: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -258,6 +263,8 @@ class MoEModel:
 
     def _forward(self, ids, cache, path, phase):
         c, T = self.cfg, ids.shape[0]
+        if T == 1 and self._compiled is not None:
+            return self._decode_compiled(ids, cache, path, phase)
         ids = ids.to(self.embed.device)
         cos, sin = self.rope_tables(cache.length, T)  # [T, d_r/2]
         x = self.embed[ids]
@@ -268,6 +275,70 @@ class MoEModel:
                      self.mlp(h, L["dense_gate_up"], L["dense_down"]))
         cache.length += T
         return F.linear(rms_norm(x, self.norm, c.eps), self.lm_head)
+
+    # -- compiled one-token step ------------------------------------------------------------
+
+    def compile_decode(self) -> MoEModel:
+        """Compile the one-token step's dense parts with `torch.compile` (static shapes): per layer
+        (a) attention + norms, attending over the whole preallocated cache with positions past
+        the current one masked, so the shapes never change; (b) the MLP mix shared + Σ_k w_k ·
+        expert_k with the chosen experts passed in as they are (no gather, no copy). Routing and
+        the expert store stay in Python between them, so loads, prefetch and the ledger are those
+        of the eager path. Multi-token forwards (prefill, verify) stay eager. Costs ~20 s of
+        compilation the first time each shape is seen (then cached by inductor on disk)."""
+        c, scale = self.cfg, self.softmax_scale
+
+        def attention(x, L, c_kv, k_pe, pos, positions, cos, sin):  # x [1, H]; c_kv [S, r_kv]; pos [1]
+            h = rms_norm(x, L["ln1"], c.eps)
+            q = F.linear(rms_norm(F.linear(h, L["q_a"]), L["q_ln"], c.eps), L["q_b"]) if c.r_q else F.linear(h, L["q"])
+            q = q.view(1, c.heads, c.d_nope + c.d_rope)
+            q_nope, q_pe = q[..., :c.d_nope], rope(q[..., c.d_nope:], cos[:, None], sin[:, None])
+            kv = F.linear(h, L["kv_a"])
+            c_kv.index_copy_(0, pos, rms_norm(kv[:, :c.r_kv], L["kv_ln"], c.eps))
+            k_pe.index_copy_(0, pos, rope(kv[:, c.r_kv:], cos, sin))
+            q_c = torch.bmm(q_nope.transpose(0, 1), L["w_uk"])  # [n_h, 1, r_kv]
+            scores = (q_c @ c_kv.T + q_pe.transpose(0, 1) @ k_pe.T) * scale  # [n_h, 1, S]
+            out_c = scores.masked_fill(positions > pos, float("-inf")).softmax(-1) @ c_kv
+            x = x + F.linear(torch.bmm(out_c, L["w_uv_t"]).transpose(0, 1).reshape(1, -1), L["o"])
+            return x, rms_norm(x, L["ln2"], c.eps)
+
+        def mix(x, h, gate_up, down, weights, expert_gate_ups, expert_downs):  # x + shared(h) + Σ_k w_k E_k(h)
+            x = x + self.mlp(h, gate_up, down)
+            for k in range(len(expert_gate_ups)):
+                x = x + weights[k] * self.mlp(h, expert_gate_ups[k], expert_downs[k])
+            return x
+
+        def head(x, norm, lm_head):
+            return F.linear(rms_norm(x, norm, c.eps), lm_head)
+
+        compile_ = lambda f: torch.compile(f, dynamic=False)  # noqa: E731
+        self._compiled = {"attention": compile_(attention), "mix": compile_(mix), "head": compile_(head)}
+        return self
+
+    def _decode_compiled(self, ids, cache, path, phase):
+        c, f = self.cfg, self._compiled
+        pos = cache.length
+        cos, sin = self.rope_tables(pos, 1)
+        p = torch.tensor([pos], device=self.embed.device)
+        if cache.positions is None:
+            cache.positions = torch.arange(cache.max_len, device=self.embed.device)
+        x = self.embed[ids.to(self.embed.device)]
+        no_experts = x.new_zeros(0)
+        for i, L in enumerate(self.layers):
+            x, h = f["attention"](x, L, cache.c_kv[i], cache.k_pe[i], p, cache.positions, cos, sin)
+            if not c.is_moe(i):
+                x = f["mix"](x, h, L["dense_gate_up"], L["dense_down"], no_experts, [], [])
+                continue
+            w, idx = route(F.linear(h.to(L["gate"].dtype), L["gate"]), c, c.top_k, L["bias"])
+            self.last_routing[i] = idx
+            r = c.top_k if path is None else path.r
+            chosen = idx[0, :r].tolist()
+            self.last_fetched[i] = chosen
+            experts = self.experts.fetch(i, chosen, phase)
+            gate_up, down = (L["shared_gate_up"], L["shared_down"]) if path is None else path.shared_for(i, L)
+            x = f["mix"](x, h, gate_up, down, w[0, :r].to(x.dtype), [e[0] for e in experts], [e[1] for e in experts])
+        cache.length += 1
+        return f["head"](x, self.norm, self.lm_head)
 
 
 def from_hf_model(model) -> MoEModel:

@@ -91,3 +91,28 @@ def test_cache_bounds():
 def test_unsupported_routing_is_refused():
     with pytest.raises(ValueError, match="group_limited_greedy"):
         ModelConfig.from_hf(DeepseekV2Config(**COMMON, topk_method="group_limited_greedy"))
+
+
+@pytest.mark.parametrize("case", ["v2-yarn-qlora", "v3-bias"])
+def test_compiled_decode_step_matches_eager(case):
+    """compile_decode(): the one-token step through torch.compile gives the eager step's logits
+    (1e-4) and greedy tokens, also on a draft path and after a crop (speculation's pattern)."""
+    from draftexpert.drafters import top_r
+
+    torch.manual_seed(0)
+    hf = CASES[case]().eval()
+    eager, compiled = from_hf_model(hf), from_hf_model(hf).compile_decode()
+    ids = torch.randint(0, 300, (9,), generator=torch.Generator().manual_seed(4))
+    ce, cc = KVCache.for_model(eager, 40), KVCache.for_model(compiled, 40)
+    assert cc.max_len == 256  # rounded up: few distinct shapes for the compiled step
+    eager.forward(ids, ce), compiled.forward(ids, cc)
+    tok = int(ids[-1])
+    for step in range(12):
+        path = top_r(2, eager.cfg.top_k) if step % 3 == 2 else None
+        le = eager.forward(torch.tensor([tok]), ce, path=path)
+        lc = compiled.forward(torch.tensor([tok]), cc, path=path)
+        assert (le - lc).abs().max() < 1e-4
+        assert eager.last_fetched == compiled.last_fetched
+        if step == 6:
+            ce.crop(ce.length - 3), cc.crop(cc.length - 3)
+        tok = int(le[-1].argmax())
