@@ -14,7 +14,7 @@ from bench.results import write_json_atomic
 
 # What the paper has that this checkout cannot regenerate yet, and which capability brings it.
 PENDING = [
-    ("Table 2 ml-tiny and cg rows", "`bench compare` runs for ml-tiny and platform cg in reproduce"),
+    ("Table 2 cg rows", "a GPU (platform cg); on CPU, `bench compare --platform cg` runs with the CPU as the accelerator"),
     ("Fig. 3 draft-side unique experts vs length", "a draft-length sweep over `bench compare`"),
     ("Fig. 4 / Fig. 5 verify cost and unique experts vs block length", "a verify-block sweep over the runtime"),
     ("Table 4 fixed K vs truncation vs + prefetch", "a policy sweep over `bench compare`"),
@@ -58,7 +58,7 @@ def fig1b_runs(results_dir: Path, log, per_suite: int = FIG1B_PER_SUITE, tokens:
 
 
 def spec_compare(results_dir: Path, log, per_suite: int = FIG1B_PER_SUITE, tokens: int = FIG1B_TOKENS) -> list[str]:
-    """AR vs top-1/2/3 vs DraftExpert (untrained draft expert) for ds-tiny on mn, Q4_0 (resumable)."""
+    """Table 2 / 3 on mn: AR vs top-1/2/3 vs DraftExpert for each tiny model, Q4_0 (resumable)."""
     import torch
 
     from bench import prompts, registry
@@ -68,22 +68,26 @@ def spec_compare(results_dir: Path, log, per_suite: int = FIG1B_PER_SUITE, token
     from paper_figs.spec_table import table
 
     torch.set_num_threads(FIG1B_THREADS)
-    folder = registry.resolve(FIG1B_MODEL)
-    out = results_dir / "runs" / f"compare-{FIG1B_MODEL}-mn"
-    res = compare(FIG1B_MODEL, folder, "mn", prompts.load(limit=per_suite), out, tokens,
-                  dict(k_max=4, tau=0.6, budget=24), "q4_0",
-                  lambda qt: expert_file_for(FIG1B_MODEL, folder, qt, log=log), collect(results_dir), log=log)
-    for row in res["methods"].values():
-        row.pop("tokens")
-    de = res["methods"]["draftexpert"]["method_args"]["draft_experts"]
-    de = "untrained (zero: shared + top-1)" if de["preset"] == "zero" else f"distilled, preset {de['preset']} ({de['file']})"
-    write_json_atomic(results_dir / f"spec_compare_{FIG1B_MODEL}_mn.json", res)
-    (results_dir / f"spec_compare_{FIG1B_MODEL}_mn.md").write_text(
-        f"{FIG1B_MODEL} on mn (Q4_0 experts from flash, cold), {per_suite} prompts per suite, "
-        f"{tokens} new tokens, greedy, K_max = 4, τ = 0.6, B = 24, {FIG1B_THREADS} thread; DraftExpert's draft "
-        f"experts: {de}. Tokens equal AR: {res['tokens_equal_ar']}.\n\n" + table(res) + "\n")
-    return [f"results/runs/compare-{FIG1B_MODEL}-mn/*", f"results/spec_compare_{FIG1B_MODEL}_mn.md",
-            f"results/spec_compare_{FIG1B_MODEL}_mn.json"]
+    written = []
+    for model in ("ds-tiny", "ml-tiny"):
+        folder = registry.resolve(model)
+        out = results_dir / "runs" / f"compare-{model}-mn"
+        res = compare(model, folder, "mn", prompts.load(limit=per_suite), out, tokens,
+                      dict(k_max=4, tau=0.6, budget=24), "q4_0",
+                      lambda qt: expert_file_for(model, folder, qt, log=log), collect(results_dir), log=log)
+        for row in res["methods"].values():
+            row.pop("tokens")
+        de = res["methods"]["draftexpert"]["method_args"]["draft_experts"]
+        de = ("untrained (zero: shared + top-1)" if de["preset"] == "zero"
+              else f"distilled, preset {de['preset']} ({de['file']})")
+        write_json_atomic(results_dir / f"spec_compare_{model}_mn.json", res)
+        (results_dir / f"spec_compare_{model}_mn.md").write_text(
+            f"{model} on mn (Q4_0 experts from flash, cold), {per_suite} prompts per suite, "
+            f"{tokens} new tokens, greedy, K_max = 4, τ = 0.6, B = 24, {FIG1B_THREADS} thread; DraftExpert's draft "
+            f"experts: {de}. Tokens equal AR: {res['tokens_equal_ar']}.\n\n" + table(res) + "\n")
+        written += [f"results/runs/compare-{model}-mn/*", f"results/spec_compare_{model}_mn.md",
+                    f"results/spec_compare_{model}_mn.json"]
+    return written
 
 
 def table5(results_dir: Path, log, per_suite: int, tokens: int) -> list[str]:
@@ -142,7 +146,7 @@ def reproduce(results_dir: Path, log=lambda m: print(m, file=sys.stderr), per_su
     if registry.is_present(FIG1B_MODEL):
         log(f"Fig. 1b: AR offload of {FIG1B_MODEL} on mn (q4_0, bf16) and cg, {per_suite} prompts per suite")
         done += fig1b_runs(results_dir, log, per_suite, tokens)
-        log(f"Tables 2/3 (partial): AR vs shared+top-r vs DraftExpert, {FIG1B_MODEL} on mn")
+        log("Tables 2/3 (mn rows): AR vs shared+top-r vs DraftExpert, ds-tiny and ml-tiny")
         done += spec_compare(results_dir, log, per_suite, tokens)
         log("Table 5: draft-expert ablation (bench distill-eval) for the tiny models")
         done += table5(results_dir, log, per_suite, tokens)

@@ -31,9 +31,13 @@ def test_reproduce_writes_fig1a_and_lists_pending(tmp_path):
                   env={"DRAFTEXPERT_CACHE": str(tmp_path / "cache")})
     assert p.returncode == 0, p.stderr
     s = json.loads(p.stdout)
-    spec = json.loads((tmp_path / "spec_compare_ds-tiny_mn.json").read_text())
-    assert set(spec["methods"]) == {"ar", "top-1", "top-2", "top-3", "draftexpert"}
-    assert all(spec["tokens_equal_ar"].values()) and spec["methods"]["top-1"]["acceptance"] is not None
+    for model in ("ds-tiny", "ml-tiny"):
+        spec = json.loads((tmp_path / f"spec_compare_{model}_mn.json").read_text())
+        assert set(spec["methods"]) == {"ar", "top-1", "top-2", "top-3", "draftexpert"}
+        assert all(spec["tokens_equal_ar"].values()) and spec["methods"]["top-1"]["acceptance"] is not None
+        assert spec["methods"]["draftexpert"]["method_args"]["draft_experts"]["preset"] == "full"
+        t5 = json.loads((tmp_path / f"table5_{model}.json").read_text())
+        assert "top1" in t5["presets"] and "full" in t5["presets"]
     assert (tmp_path / "figures" / "fig1a_params.png").stat().st_size > 1000
     assert "| ds | 15.7B | 14.4B | 91.6% | 26.8 GiB | 2.44 GiB |" in (tmp_path / "fig1a_params.md").read_text()
     assert s["pending"]
