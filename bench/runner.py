@@ -112,6 +112,10 @@ def make_decoder(model: str, folder: Path, method: str, platform: str, expert_ty
             args["r"] = r
         else:
             args["draft_experts"] = de_meta
+    if compile:  # compile every shape the method uses now, not inside the first prompt's timing
+        decoder.generate(render_prompt(tokenizer, "warm-up"), 12, None)
+        if store != "resident":
+            target.experts.cache.clear()
     cfg = CellConfig(model=model, method=method, platform=platform, max_new_tokens=max_new_tokens,
                      temperature=temperature, seed=seed, method_args=args)
     return decoder, tokenizer, cfg
