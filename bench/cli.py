@@ -574,6 +574,9 @@ def distill_cmd(model: Annotated[str, typer.Option("--model")] = "ds-tiny", mode
                                                                  "expert (default: the routed experts')")] = None,
                 fixed_gamma: Annotated[bool, typer.Option("--fixed-gamma", help="Keep γ_l = 1 instead of learning "
                                                           "it.")] = False,
+                alpha: Annotated[float, typer.Option("--alpha", min=0.0, help="Weight of L_tok (Eq. 11).")] = 1.0,
+                beta: Annotated[float, typer.Option("--beta", min=0.0, help="Weight of L_res.")] = 1.0,
+                eta: Annotated[float, typer.Option("--eta", min=0.0, help="Weight of L_router.")] = 1.0,
                 threads: Annotated[int, typer.Option("--threads", min=1)] = 2,
                 seed: Annotated[int, typer.Option("--seed")] = 0,
                 out: Annotated[Path | None, typer.Option("--out", help="Draft-expert checkpoint to write.")] = None,
@@ -588,7 +591,7 @@ def distill_cmd(model: Annotated[str, typer.Option("--model")] = "ds-tiny", mode
     try:
         cfg = DistillConfig(preset="full" if preset == "router" else preset, steps=steps, batch_size=batch_size,
                             seq_len=seq_len, lr=lr, intermediate=intermediate or load_config(folder).moe_intermediate_size,
-                            learn_gamma=not fixed_gamma, threads=threads, seed=seed)
+                            learn_gamma=not fixed_gamma, threads=threads, seed=seed, alpha=alpha, beta=beta, eta=eta)
         r = bd.distill(model, folder, cfg, out, log)
     except DistillError as e:
         fail(f"--preset / checkpoint: {e}")

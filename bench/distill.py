@@ -5,7 +5,7 @@ measure Table 5 on held-out text and prompts.
 Where things go: embedded models keep their draft experts beside the weights,
 `models/<name>/draft_experts/<preset>.safetensors` (+ `.history.jsonl`, `.loss.png`); real models
 (whose folder may be a read-only Hugging Face cache) under `work/draft_experts/<name>/`.
-Training state (resumable) lives in `work/distill/<name>-<preset>/`.
+Training state (resumable: the same options resume) lives in `work/distill/<name>-<preset>-<options hash>/`.
 """
 from __future__ import annotations
 
@@ -51,7 +51,10 @@ def distill(model: str, folder: Path, cfg, out: Path | None, log) -> dict:
     train_data, val_data = token_splits(folder, log)
     windows = eval_windows(val_data, EVAL_WINDOWS, cfg.seq_len)
     t0 = time.perf_counter()
-    draft, history = train(hf, train_data, windows, cfg, WORK / "distill" / f"{model}-{cfg.preset}", log=log)
+    import hashlib
+
+    key = hashlib.sha256(json.dumps(asdict(cfg), sort_keys=True).encode()).hexdigest()[:8]
+    draft, history = train(hf, train_data, windows, cfg, WORK / "distill" / f"{model}-{cfg.preset}-{key}", log=log)
     out = out or experts_dir(model, folder) / f"{cfg.preset}.safetensors"
     steps = [h for h in history if "loss" in h]
     meta = {"preset": cfg.preset, "config": asdict(cfg), "steps": len(steps),
