@@ -6,7 +6,6 @@ on stdout; progress and logs go to stderr.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -231,6 +230,21 @@ def convert(model: Annotated[str, typer.Option("--model", help="ds | ml | ds-tin
          f"{path} ({path.stat().st_size / 2**20:.1f} MiB)")
 
 
+def _check_run_flags(platform: str, expert_type: str, suite: list[str] | None) -> None:
+    """--platform, --expert-type and --suite of `run` and `compare`, each named when wrong."""
+    from bench import prompts
+    from bench.runner import PLATFORMS
+    from draftexpert.gguf_experts import TYPES
+
+    if platform not in PLATFORMS:
+        fail(f"--platform: {platform!r} is not one of {', '.join(PLATFORMS)}")
+    if expert_type not in TYPES:
+        fail(f"--expert-type: {expert_type!r} is not one of {', '.join(TYPES)}")
+    unknown = [s for s in suite or [] if s not in prompts.SUITES]
+    if unknown:
+        fail(f"--suite: unknown suite(s) {', '.join(unknown)}; known: {', '.join(prompts.SUITES)}")
+
+
 @app.command()
 def run(model: Annotated[str, typer.Option("--model", help="ds | ml | ds-tiny | ml-tiny")] = "ds-tiny",
         model_path: ModelPathOpt = None,
@@ -274,17 +288,17 @@ def run(model: Annotated[str, typer.Option("--model", help="ds | ml | ds-tiny | 
     """Decode the prompt suites with one method; one record per prompt, resumable.
 
     `ar`: autoregressive decoding on the expert-offload runtime (the paper's baseline; every
-    expert load is counted by the ledger). `reference`: the target's plain greedy decoding
-    through transformers, weights resident — the exactness oracle."""
+    expert load is counted by the ledger). `top-r`: exact self-speculation with shared + top-r
+    as drafter; `draftexpert`: with shared + top-1 + draft expert, confidence–expansion
+    truncation and draft-router prefetch (Algorithm 1). `reference`: the target's plain greedy
+    decoding through transformers, weights resident — the exactness oracle."""
     import torch
 
     from bench import prompts
-    from bench.runner import make_decoder, run_cells
+    from bench.runner import METHODS, make_decoder, run_cells
     from bench.telemetry import collect
-    from draftexpert.gguf_experts import TYPES, ExpertFileError
+    from draftexpert.gguf_experts import ExpertFileError
     from draftexpert.loader import CheckpointError
-
-    from bench.runner import METHODS, PLATFORMS
 
     if method not in METHODS:
         fail(f"--method: {method!r} is not available; available: {', '.join(METHODS)}")
@@ -293,13 +307,7 @@ def run(model: Annotated[str, typer.Option("--model", help="ds | ml | ds-tiny | 
     if draft_cache not in ("shared", "own"):
         fail(f"--draft-cache: {draft_cache!r} is not one of shared, own")
 
-    if platform not in PLATFORMS:
-        fail(f"--platform: {platform!r} is not one of {', '.join(PLATFORMS)}")
-    if expert_type not in TYPES:
-        fail(f"--expert-type: {expert_type!r} is not one of {', '.join(TYPES)}")
-    unknown = [s for s in suite or [] if s not in prompts.SUITES]
-    if unknown:
-        fail(f"--suite: unknown suite(s) {', '.join(unknown)}; known: {', '.join(prompts.SUITES)}")
+    _check_run_flags(platform, expert_type, suite)
     folder = resolve_or_fail(model, model_path)
     if method == "top-r":
         from draftexpert.loader import load_config
@@ -364,22 +372,15 @@ def compare(model: Annotated[str, typer.Option("--model")] = "ds-tiny", model_pa
 
     from bench import compare as cmp
     from bench import prompts
-    from bench.runner import PLATFORMS
     from bench.telemetry import collect
-    from draftexpert.gguf_experts import TYPES, ExpertFileError
+    from draftexpert.gguf_experts import ExpertFileError
     from draftexpert.loader import CheckpointError
 
     known = [m[0] for m in cmp.METHODS]
     bad = [m for m in method or [] if m not in known]
     if bad:
         fail(f"--method: unknown {', '.join(bad)}; known: {', '.join(known)}")
-    if platform not in PLATFORMS:
-        fail(f"--platform: {platform!r} is not one of {', '.join(PLATFORMS)}")
-    if expert_type not in TYPES:
-        fail(f"--expert-type: {expert_type!r} is not one of {', '.join(TYPES)}")
-    unknown = [s for s in suite or [] if s not in prompts.SUITES]
-    if unknown:
-        fail(f"--suite: unknown suite(s) {', '.join(unknown)}; known: {', '.join(prompts.SUITES)}")
+    _check_run_flags(platform, expert_type, suite)
     folder = resolve_or_fail(model, model_path)
     if threads:
         torch.set_num_threads(threads)

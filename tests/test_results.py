@@ -1,6 +1,4 @@
 """The results store survives SIGKILL mid-write and resumes without redoing finished cells."""
-import json
-import os
 import signal
 import subprocess
 import sys

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
 
 from baselines.ar import AROffloadDecoder
-from draftexpert.drafters import DraftExperts, draftexpert, make_draft_path, top_r
+from draftexpert.drafters import DraftExperts, draftexpert, top_r
 from draftexpert.loader import build_model, convert_experts
 from draftexpert.model import KVCache, from_hf_model
 from draftexpert.speculative import SpecConfig, SpeculativeDecoder

@@ -90,8 +90,8 @@ def write_card(folder: Path, name: str, reproduce_cmd: str) -> Path:
     ev = json.loads((folder / "eval.json").read_text())
     corpus = json.loads((folder / "corpus_manifest.json").read_text())
     b = breakdown(cfg).summary()
-    curves = _curves(log, folder / "loss_curve.png")
-    usage = _usage(ev["usage_share"], folder / "expert_usage.png")
+    _curves(log, folder / "loss_curve.png")
+    _usage(ev["usage_share"], folder / "expert_usage.png")
     wall_s = training_wall_s(log, tcfg)
     v3 = cfg["model_type"] == "deepseek_v3"
     routing = ("sigmoid scores + `e_score_correction_bias` choose the top-6 (`noaux_tc`, one group); weights = "
