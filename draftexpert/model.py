@@ -280,10 +280,10 @@ class MoEModel:
 
     def compile_decode(self) -> MoEModel:
         """Compile the one-token step's dense parts with `torch.compile` (static shapes): per layer
-        (a) attention + norms, attending over the whole preallocated cache with positions past
-        the current one masked, so the shapes never change; (b) the MLP mix shared + Σ_k w_k ·
-        expert_k with the chosen experts passed in as they are (no gather, no copy). Routing and
-        the expert store stay in Python between them, so loads, prefetch and the ledger are those
+        (a) attention + norms + routing, attending over the whole preallocated cache with positions
+        past the current one masked, so the shapes never change; (b) the MLP mix shared + Σ_k w_k ·
+        expert_k with the chosen experts passed in as they are (no gather, no copy). The expert
+        store stays in Python between them, so loads, prefetch and the ledger are those
         of the eager path. Multi-token forwards (prefill, verify) stay eager. Costs ~20 s of
         compilation the first time each shape is seen (then cached by inductor on disk)."""
         c, scale = self.cfg, self.softmax_scale
@@ -300,7 +300,11 @@ class MoEModel:
             scores = (q_c @ c_kv.T + q_pe.transpose(0, 1) @ k_pe.T) * scale  # [n_h, 1, S]
             out_c = scores.masked_fill(positions > pos, float("-inf")).softmax(-1) @ c_kv
             x = x + F.linear(torch.bmm(out_c, L["w_uv_t"]).transpose(0, 1).reshape(1, -1), L["o"])
-            return x, rms_norm(x, L["ln2"], c.eps)
+            h = rms_norm(x, L["ln2"], c.eps)
+            if "gate" not in L:  # dense layer
+                return x, h, None, None
+            w, idx = route(F.linear(h.to(L["gate"].dtype), L["gate"]), c, c.top_k, L["bias"])  # routing in the graph
+            return x, h, w.to(x.dtype), idx
 
         def mix(x, h, gate_up, down, weights, expert_gate_ups, expert_downs):  # x + shared(h) + Σ_k w_k E_k(h)
             x = x + self.mlp(h, gate_up, down)
@@ -325,18 +329,17 @@ class MoEModel:
         x = self.embed[ids.to(self.embed.device)]
         no_experts = x.new_zeros(0)
         for i, L in enumerate(self.layers):
-            x, h = f["attention"](x, L, cache.c_kv[i], cache.k_pe[i], p, cache.positions, cos, sin)
-            if not c.is_moe(i):
+            x, h, w, idx = f["attention"](x, L, cache.c_kv[i], cache.k_pe[i], p, cache.positions, cos, sin)
+            if idx is None:
                 x = f["mix"](x, h, L["dense_gate_up"], L["dense_down"], no_experts, [], [])
                 continue
-            w, idx = route(F.linear(h.to(L["gate"].dtype), L["gate"]), c, c.top_k, L["bias"])
             self.last_routing[i] = idx
             r = c.top_k if path is None else path.r
             chosen = idx[0, :r].tolist()
             self.last_fetched[i] = chosen
             experts = self.experts.fetch(i, chosen, phase)
             gate_up, down = (L["shared_gate_up"], L["shared_down"]) if path is None else path.shared_for(i, L)
-            x = f["mix"](x, h, gate_up, down, w[0, :r].to(x.dtype), [e[0] for e in experts], [e[1] for e in experts])
+            x = f["mix"](x, h, gate_up, down, w[0, :r], [e[0] for e in experts], [e[1] for e in experts])
         cache.length += 1
         return f["head"](x, self.norm, self.lm_head)
 
