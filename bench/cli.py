@@ -351,8 +351,10 @@ def run(model: Annotated[str, typer.Option("--model", help="ds | ml | ds-tiny | 
 def compare(model: Annotated[str, typer.Option("--model")] = "ds-tiny", model_path: ModelPathOpt = None,
             platform: Annotated[str, typer.Option("--platform", help="mn | cg | resident")] = "mn",
             expert_type: Annotated[str, typer.Option("--expert-type", help="mn: f32 | f16 | bf16 | q4_0")] = "q4_0",
-            method: Annotated[list[str] | None, typer.Option("--method", help="Subset of ar, top-1, top-2, top-3, "
-                                                             "draftexpert (default all).")] = None,
+            method: Annotated[list[str] | None, typer.Option("--method", help="Subset of the set's methods "
+                                                             "(default all).")] = None,
+            method_set: Annotated[str, typer.Option("--set", help="table2: AR, top-1/2/3, DraftExpert | table4: AR "
+                                                    "and DraftExpert with fixed K, conf.+exp., + prefetch")] = "table2",
             suite: Annotated[list[str] | None, typer.Option("--suite", help="Prompt suite(s); default all six.")] = None,
             limit: Annotated[int | None, typer.Option("--limit", min=1, help="First N prompts of each suite.")] = 2,
             max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", min=1)] = 64,
@@ -376,7 +378,9 @@ def compare(model: Annotated[str, typer.Option("--model")] = "ds-tiny", model_pa
     from draftexpert.gguf_experts import ExpertFileError
     from draftexpert.loader import CheckpointError
 
-    known = [m[0] for m in cmp.METHODS]
+    if method_set not in cmp.SETS:
+        fail(f"--set: {method_set!r} is not one of {', '.join(cmp.SETS)}")
+    known = [m[0] for m in cmp.SETS[method_set]]
     bad = [m for m in method or [] if m not in known]
     if bad:
         fail(f"--method: unknown {', '.join(bad)}; known: {', '.join(known)}")
@@ -390,12 +394,12 @@ def compare(model: Annotated[str, typer.Option("--model")] = "ds-tiny", model_pa
         res = cmp.compare(model, folder, platform, recs, out_dir, max_new_tokens,
                           dict(k_max=k_max, tau=tau, budget=budget, draft_experts=draft_experts), expert_type,
                           lambda qt: expert_file(model, folder, qt), collect(out_dir, measure_io=True),
-                          labels=method, log=log, compile=compile)
+                          labels=method, log=log, compile=compile, method_set=method_set)
     except (CheckpointError, ExpertFileError, ValueError) as e:
         fail(str(e))
-    from paper_figs.spec_table import table
+    from paper_figs.spec_table import table, table4
 
-    emit(res, as_json, table(res) + f"\n\ntokens equal AR: {res['tokens_equal_ar']}  ({out_dir})")
+    emit(res, as_json, (table4 if method_set == "table4" else table)(res) + f"\n\ntokens equal AR: {res['tokens_equal_ar']}  ({out_dir})")
 
 
 # ---------------------------------------------------------------- speed benchmarks

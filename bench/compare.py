@@ -17,17 +17,25 @@ METHODS = [
     ("top-3", "top-r", {"r": 3, "truncate": False, "prefetch": False}),
     ("draftexpert", "draftexpert", {}),
 ]
+# Table 4: DraftExpert's verify-side policies against AR.
+POLICIES = [
+    ("ar", "ar", {}),
+    ("fixed-k", "draftexpert", {"truncate": False, "prefetch": False}),
+    ("conf-exp", "draftexpert", {"truncate": True, "prefetch": False}),
+    ("conf-exp-prefetch", "draftexpert", {"truncate": True, "prefetch": True}),
+]
+SETS = {"table2": METHODS, "table4": POLICIES}
 
 
 def compare(model: str, folder: Path, platform: str, prompts: list[dict], out_dir: Path, max_new_tokens: int,
             spec: dict, expert_type: str, expert_file, machine: dict | None, labels: list[str] | None = None,
-            log=print, compile: bool = False) -> dict:
+            log=print, compile: bool = False, method_set: str = "table2") -> dict:
     from bench.results import read_records
     from paper_figs.spec_table import aggregate
     from bench.runner import make_decoder, run_cells
 
     rows = {}
-    for label, method, over in METHODS:
+    for label, method, over in SETS[method_set]:
         if labels and label not in labels:
             continue
         decoder, tokenizer, cfg = make_decoder(model, folder, method, platform, expert_type=expert_type,
@@ -42,9 +50,11 @@ def compare(model: str, folder: Path, platform: str, prompts: list[dict], out_di
         rows[label]["tokens"] = {r["prompt_id"]: r["tokens"] for r in recs}
         rows[label]["method_args"] = cfg.method_args
     ar = rows.get("ar", {}).get("decode_tps")
+    ar_forward = rows.get("ar", {}).get("ar_forward_s")
     for row in rows.values():
         row["speedup"] = row["decode_tps"] / ar if ar else None
+        row["verify_cost_x_ar"] = row["verify_forward_s"] / ar_forward if ar_forward and "verify_forward_s" in row else None
     same = {label: all(row["tokens"][p] == rows["ar"]["tokens"][p] for p in row["tokens"])
             for label, row in rows.items() if "ar" in rows and label != "ar"}
-    return {"model": model, "platform": platform, "expert_type": expert_type if platform == "mn" else None,
+    return {"model": model, "platform": platform, "set": method_set, "expert_type": expert_type if platform == "mn" else None,
             "max_new_tokens": max_new_tokens, "spec": spec, "methods": rows, "tokens_equal_ar": same}

@@ -17,7 +17,6 @@ PENDING = [
     ("Table 2 cg rows", "a GPU (platform cg); on CPU, `bench compare --platform cg` runs with the CPU as the accelerator"),
     ("Fig. 3 draft-side unique experts vs length", "a draft-length sweep over `bench compare`"),
     ("Fig. 4 / Fig. 5 verify cost and unique experts vs block length", "a verify-block sweep over the runtime"),
-    ("Table 4 fixed K vs truncation vs + prefetch", "a policy sweep over `bench compare`"),
 ]
 
 
@@ -90,6 +89,36 @@ def spec_compare(results_dir: Path, log, per_suite: int = FIG1B_PER_SUITE, token
     return written
 
 
+def table4(results_dir: Path, log, per_suite: int = FIG1B_PER_SUITE, tokens: int = FIG1B_TOKENS) -> list[str]:
+    """Table 4 on mn: DraftExpert with fixed K, confidence–expansion truncation, and + prefetch."""
+    import torch
+
+    from bench import prompts, registry
+    from bench.compare import compare
+    from bench.runner import expert_file_for
+    from bench.telemetry import collect
+    from paper_figs.spec_table import table4 as render
+
+    torch.set_num_threads(FIG1B_THREADS)
+    written = []
+    for model in ("ds-tiny", "ml-tiny"):
+        folder = registry.resolve(model)
+        res = compare(model, folder, "mn", prompts.load(limit=per_suite), results_dir / "runs" / f"compare-{model}-mn",
+                      tokens, dict(k_max=4, tau=0.6, budget=24), "q4_0",
+                      lambda qt: expert_file_for(model, folder, qt, log=log), collect(results_dir), log=log,
+                      method_set="table4")
+        for row in res["methods"].values():
+            row.pop("tokens")
+        write_json_atomic(results_dir / f"table4_{model}_mn.json", res)
+        (results_dir / f"table4_{model}_mn.md").write_text(
+            f"{model} on mn (Q4_0 experts from flash, cold), {per_suite} prompts per suite, {tokens} new tokens, "
+            f"greedy, K_max = 4, τ = 0.6, B = 24, distilled draft experts, {FIG1B_THREADS} thread. Verify cost = wall "
+            f"seconds per verify forward / per AR forward. Tokens equal AR: {res['tokens_equal_ar']}.\n\n"
+            + render(res) + "\n")
+        written += [f"results/table4_{model}_mn.md", f"results/table4_{model}_mn.json"]
+    return written
+
+
 def table5(results_dir: Path, log, per_suite: int, tokens: int) -> list[str]:
     """Table 5 from the committed draft-expert checkpoints of each tiny model (`bench distill-eval`);
     `bench distill --model <m> --preset <p>` retrains any of them."""
@@ -152,6 +181,8 @@ def reproduce(results_dir: Path, log=lambda m: print(m, file=sys.stderr), per_su
         done += fig1b_runs(results_dir, log, per_suite, tokens)
         log("Tables 2/3 (mn rows): AR vs shared+top-r vs DraftExpert, ds-tiny and ml-tiny")
         done += spec_compare(results_dir, log, per_suite, tokens)
+        log("Table 4: fixed K vs truncation vs + prefetch (DraftExpert), ds-tiny and ml-tiny on mn")
+        done += table4(results_dir, log, per_suite, tokens)
         log("Table 5: draft-expert ablation (bench distill-eval) for the tiny models")
         done += table5(results_dir, log, per_suite, tokens)
     else:

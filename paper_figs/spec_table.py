@@ -1,4 +1,4 @@
-"""Tables 2 / 3 (speculative methods) from run records: one row per method, metrics computed
+"""Tables 2 / 3 / 4 (speculative methods) from run records: one row per method, metrics computed
 from the records, never by running a model.
 
 Per method, over all prompts (sums before ratios, so long prompts weigh by their tokens):
@@ -11,6 +11,8 @@ Per method, over all prompts (sums before ratios, so long prompts weigh by their
   MB / token          = Σ moved_bytes / Σ (new_tokens − 1) / 2^20
   hit rate, waste     = Σ prefetch_hits / Σ prefetch_issued, Σ prefetch_waste / Σ prefetch_issued
   loading share       = Σ decode_stall_s / Σ (decode_stall_s + decode_compute_s)
+  verify / AR forward = Σ verify_s / Σ verify forwards, Σ ar_s / Σ ar forwards (wall seconds per forward)
+  verify cost ×AR     = verify forward seconds / AR's one-token forward seconds   (Table 4)
 """
 from __future__ import annotations
 
@@ -32,7 +34,13 @@ def aggregate(records: list[dict]) -> dict:
         "prefetch_waste": s("prefetch_waste") / issued if issued else None,
         "loading_share": s("decode_stall_s") / (s("decode_stall_s") + s("decode_compute_s"))
         if s("decode_stall_s") + s("decode_compute_s") else None,
+        **{f"{ph}_forward_s": s(f"{ph}_s") / n for ph, n in (("verify", forwards(records, "verify")),
+                                                              ("ar", forwards(records, "ar"))) if n},
     }
+
+
+def forwards(records: list[dict], phase: str) -> int:
+    return sum(((r.get("ledger") or {}).get("by_phase", {}).get(phase) or {}).get("forwards", 0) for r in records)
 
 
 
@@ -44,6 +52,20 @@ def table(result: dict) -> str:
             ("prefetch_waste", "waste", "{:.2f}"), ("loading_share", "load share", "{:.2f}")]
     lines = ["| method | " + " | ".join(c[1] for c in cols) + " |", "|---" * (len(cols) + 1) + "|"]
     for label, row in result["methods"].items():
+        cells = [fmt.format(row[k]) if row.get(k) is not None else "–" for k, _, fmt in cols]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def table4(result: dict) -> str:
+    """Verify-side control: fixed K vs confidence–expansion truncation vs + prefetch."""
+    cols = [("verify_cost_x_ar", "verify cost ×AR", "{:.2f}"), ("mean_accepted_length", "τ", "{:.2f}"),
+            ("verify_unique_per_round", "verify uniq", "{:.1f}"), ("prefetch_hit_rate", "hit", "{:.2f}"),
+            ("prefetch_waste", "waste", "{:.2f}"), ("decode_tps", "TPS", "{:.2f}"), ("speedup", "×AR", "{:.2f}")]
+    lines = ["| policy | " + " | ".join(c[1] for c in cols) + " |", "|---" * (len(cols) + 1) + "|"]
+    for label, row in result["methods"].items():
+        if label == "ar":
+            continue
         cells = [fmt.format(row[k]) if row.get(k) is not None else "–" for k, _, fmt in cols]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
