@@ -24,7 +24,15 @@ POLICIES = [
     ("conf-exp", "draftexpert", {"truncate": True, "prefetch": False}),
     ("conf-exp-prefetch", "draftexpert", {"truncate": True, "prefetch": True}),
 ]
-SETS = {"table2": METHODS, "table4": POLICIES}
+# Fig. 3: the drafters at a fixed K = 8 (no truncation, no prefetch), for the footprint-vs-length curves.
+FOOTPRINT = [
+    ("ar", "ar", {}),
+    ("top-1-k8", "top-r", {"r": 1, "k_max": 8, "truncate": False, "prefetch": False}),
+    ("top-2-k8", "top-r", {"r": 2, "k_max": 8, "truncate": False, "prefetch": False}),
+    ("top-3-k8", "top-r", {"r": 3, "k_max": 8, "truncate": False, "prefetch": False}),
+    ("draftexpert-k8", "draftexpert", {"k_max": 8, "truncate": False, "prefetch": False}),
+]
+SETS = {"table2": METHODS, "table4": POLICIES, "fig3": FOOTPRINT}
 
 
 def compare(model: str, folder: Path, platform: str, prompts: list[dict], out_dir: Path, max_new_tokens: int,
@@ -49,6 +57,10 @@ def compare(model: str, folder: Path, platform: str, prompts: list[dict], out_di
         rows[label] = aggregate(recs)
         rows[label]["tokens"] = {r["prompt_id"]: r["tokens"] for r in recs}
         rows[label]["method_args"] = cfg.method_args
+        if method != "ar":
+            from paper_figs.fig3 import curve
+
+            rows[label]["draft_unique_curve"] = curve(recs)
     ar = rows.get("ar", {}).get("decode_tps")
     ar_forward = rows.get("ar", {}).get("ar_forward_s")
     for row in rows.values():

@@ -15,7 +15,6 @@ from bench.results import write_json_atomic
 # What the paper has that this checkout cannot regenerate yet, and which capability brings it.
 PENDING = [
     ("Table 2 cg rows", "a GPU (platform cg); on CPU, `bench compare --platform cg` runs with the CPU as the accelerator"),
-    ("Fig. 3 draft-side unique experts vs length", "a draft-length sweep over `bench compare`"),
     ("Fig. 4 / Fig. 5 verify cost and unique experts vs block length", "a verify-block sweep over the runtime"),
 ]
 
@@ -119,6 +118,35 @@ def table4(results_dir: Path, log, per_suite: int = FIG1B_PER_SUITE, tokens: int
     return written
 
 
+def fig3(results_dir: Path, log, per_suite: int = FIG1B_PER_SUITE, tokens: int = FIG1B_TOKENS) -> list[str]:
+    """Fig. 3 on mn: each drafter's cumulative unique layer-experts vs draft length (K = 8, fixed)."""
+    import torch
+
+    from bench import prompts, registry
+    from bench.compare import compare
+    from bench.runner import expert_file_for
+    from bench.telemetry import collect
+    from paper_figs import fig3 as render
+
+    torch.set_num_threads(FIG1B_THREADS)
+    written = []
+    for model in ("ds-tiny", "ml-tiny"):
+        folder = registry.resolve(model)
+        res = compare(model, folder, "mn", prompts.load(limit=per_suite), results_dir / "runs" / f"compare-{model}-mn",
+                      tokens, dict(tau=0.6, budget=24), "q4_0",
+                      lambda qt: expert_file_for(model, folder, qt, log=log), collect(results_dir), log=log,
+                      method_set="fig3")
+        curves = {label.removesuffix("-k8"): row["draft_unique_curve"] for label, row in res["methods"].items()
+                  if label != "ar"}
+        (results_dir / f"fig3_{model}_mn.md").write_text(
+            f"{model}: drafter's cumulative unique routed layer-experts vs draft length j (K = 8 fixed, greedy, "
+            f"{per_suite} prompts per suite, {tokens} new tokens; tokens equal AR: "
+            f"{all(res['tokens_equal_ar'].values())}).\n\n" + render.table(curves))
+        figs = render.figure(curves, results_dir / "figures" / f"fig3_{model}", f"{model}: draft-side unique experts vs length")
+        written += [f"results/fig3_{model}_mn.md", *[str(p.relative_to(results_dir.parent)) for p in figs]]
+    return written
+
+
 def table5(results_dir: Path, log, per_suite: int, tokens: int) -> list[str]:
     """Table 5 from the committed draft-expert checkpoints of each tiny model (`bench distill-eval`);
     `bench distill --model <m> --preset <p>` retrains any of them."""
@@ -181,6 +209,8 @@ def reproduce(results_dir: Path, log=lambda m: print(m, file=sys.stderr), per_su
         done += fig1b_runs(results_dir, log, per_suite, tokens)
         log("Tables 2/3 (mn rows): AR vs shared+top-r vs DraftExpert, ds-tiny and ml-tiny")
         done += spec_compare(results_dir, log, per_suite, tokens)
+        log("Fig. 3: draft-side unique experts vs draft length, ds-tiny and ml-tiny on mn")
+        done += fig3(results_dir, log, per_suite, tokens)
         log("Table 4: fixed K vs truncation vs + prefetch (DraftExpert), ds-tiny and ml-tiny on mn")
         done += table4(results_dir, log, per_suite, tokens)
         log("Table 5: draft-expert ablation (bench distill-eval) for the tiny models")

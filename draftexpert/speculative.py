@@ -37,7 +37,7 @@ Definitions (stated once; the controller, prefetch and ledger all use them):
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -77,6 +77,7 @@ class Draft:
     predicted: set[tuple[int, int]]
     touched: set[tuple[int, int]]
     truncated: bool
+    touched_at: list[int] = field(default_factory=list)  # |touched| when v_j was proposed (Fig. 3)
 
 
 def layer_experts(routing: dict[int, torch.Tensor], rows: slice = slice(None)) -> set[tuple[int, int]]:
@@ -108,6 +109,7 @@ class SpeculativeDecoder:
         for i in range(1, k_limit + 1):
             q = probs(logits, cfg.temperature)
             v = int(torch.multinomial(q, 1, generator=gen)) if cfg.temperature > 0 else int(q.argmax())
+            touched_now = len(out.touched)  # the drafter's footprint for proposing v_1 … v_i
             if i < k_limit or look_ahead:
                 logits = self._forward(torch.tensor([v]), cache, out)  # consumes v_i: its verify experts Ê_i
                 predicted = self._predicted()
@@ -120,6 +122,7 @@ class SpeculativeDecoder:
                 self._keep_experts(out, predicted, store)
             out.tokens.append(v)
             out.q.append(q)
+            out.touched_at.append(touched_now)
         return out
 
     def _forward(self, ids: torch.Tensor, cache: KVCache, out: Draft) -> torch.Tensor:
@@ -220,12 +223,15 @@ class RoundStats:
       truncated         rounds the controller stopped before K_max
       draft_unique      Σ_rounds Σ_l |layer-experts the drafter ran in the round|   (Table 3 "Unique")
       verify_unique     Σ_rounds Σ_l |∪ target top-k over the verify block|      (Eq. 2, |U(B)|)
-      predicted_unique  Σ_rounds |Û_K| (the controller's predicted verifier set)"""
+      predicted_unique  Σ_rounds |Û_K| (the controller's predicted verifier set)
+      drafted_at[j]     rounds that drafted ≥ j tokens
+      draft_unique_at[j] Σ_rounds layer-experts the drafter had run when it proposed v_j (cumulative;
+                        mean = draft_unique_at[j] / drafted_at[j] — Fig. 3)"""
 
     def __init__(self, k_max: int):
         self.rounds = self.drafted = self.accepted = self.truncated = 0
         self.draft_unique = self.verify_unique = self.predicted_unique = 0
-        self.drafted_at, self.accepted_at = [0] * k_max, [0] * k_max
+        self.drafted_at, self.accepted_at, self.draft_unique_at = [0] * k_max, [0] * k_max, [0] * k_max
 
     def add(self, draft: Draft, accepted: int, verify_unique: int) -> None:
         self.rounds += 1
@@ -238,6 +244,7 @@ class RoundStats:
         for j in range(len(draft.tokens)):
             self.drafted_at[j] += 1
             self.accepted_at[j] += j < accepted
+            self.draft_unique_at[j] += draft.touched_at[j]
 
     def summary(self) -> dict:
         r = max(self.rounds, 1)
@@ -245,6 +252,7 @@ class RoundStats:
                 "acceptance": self.accepted / self.drafted if self.drafted else 0.0,
                 "mean_accepted_length": 1 + self.accepted / r, "truncated": self.truncated,
                 "per_position_acceptance": [a / d if d else None for a, d in zip(self.accepted_at, self.drafted_at)],
+                "drafted_at": self.drafted_at, "draft_unique_at": self.draft_unique_at,
                 "draft_unique": self.draft_unique, "verify_unique": self.verify_unique,
                 "predicted_unique": self.predicted_unique,
                 "draft_unique_per_round": self.draft_unique / r, "verify_unique_per_round": self.verify_unique / r}

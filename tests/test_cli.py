@@ -36,6 +36,8 @@ def test_reproduce_writes_fig1a_and_lists_pending(tmp_path):
         assert set(spec["methods"]) == {"ar", "top-1", "top-2", "top-3", "draftexpert"}
         assert all(spec["tokens_equal_ar"].values()) and spec["methods"]["top-1"]["acceptance"] is not None
         assert spec["methods"]["draftexpert"]["method_args"]["draft_experts"]["preset"] == "full"
+        f3 = (tmp_path / f"fig3_{model}_mn.md").read_text()
+        assert "| top-1 |" in f3 and "| draftexpert |" in f3 and (tmp_path / "figures" / f"fig3_{model}.png").exists()
         t4 = json.loads((tmp_path / f"table4_{model}_mn.json").read_text())
         assert set(t4["methods"]) == {"ar", "fixed-k", "conf-exp", "conf-exp-prefetch"}
         assert all(t4["tokens_equal_ar"].values()) and t4["methods"]["fixed-k"]["verify_cost_x_ar"] > 0
