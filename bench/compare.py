@@ -57,7 +57,7 @@ def compare(model: str, folder: Path, platform: str, prompts: list[dict], out_di
         rows[label] = aggregate(recs)
         rows[label]["tokens"] = {r["prompt_id"]: r["tokens"] for r in recs}
         rows[label]["method_args"] = cfg.method_args
-        if method != "ar":
+        if method != "ar" and all("drafted_at" in r for r in recs):  # records written before Fig. 3 lack it
             from paper_figs.fig3 import curve
 
             rows[label]["draft_unique_curve"] = curve(recs)
