@@ -55,26 +55,34 @@ def fig1b_runs(results_dir: Path, log, per_suite: int = FIG1B_PER_SUITE, tokens:
     return ["results/runs/fig1b-*", "results/fig1b_breakdown.md", *[str(p.relative_to(results_dir.parent)) for p in figs]]
 
 
-def spec_compare(results_dir: Path, log, per_suite: int = FIG1B_PER_SUITE, tokens: int = FIG1B_TOKENS) -> list[str]:
-    """Table 2 / 3 on mn: AR vs top-1/2/3 vs DraftExpert for each tiny model, Q4_0 (resumable)."""
+def _compare_on_mn(results_dir: Path, log, model: str, per_suite: int, tokens: int, method_set: str) -> dict:
+    """One `bench compare` set for a tiny model on mn (Q4_0, K_max = 4, τ = 0.6, B = 24; resumable),
+    its per-prompt tokens dropped from the result."""
     import torch
 
     from bench import prompts, registry
     from bench.compare import compare
     from bench.runner import expert_file_for
     from bench.telemetry import collect
-    from paper_figs.spec_table import table
 
     torch.set_num_threads(FIG1B_THREADS)
+    folder = registry.resolve(model)
+    res = compare(model, folder, "mn", prompts.load(limit=per_suite), results_dir / "runs" / f"compare-{model}-mn",
+                  tokens, dict(k_max=4, tau=0.6, budget=24), "q4_0",
+                  lambda qt: expert_file_for(model, folder, qt, log=log), collect(results_dir), log=log,
+                  method_set=method_set)
+    for row in res["methods"].values():
+        row.pop("tokens")
+    return res
+
+
+def spec_compare(results_dir: Path, log, per_suite: int = FIG1B_PER_SUITE, tokens: int = FIG1B_TOKENS) -> list[str]:
+    """Table 2 / 3 on mn: AR vs top-1/2/3 vs DraftExpert for each tiny model, Q4_0 (resumable)."""
+    from paper_figs.spec_table import table
+
     written = []
     for model in ("ds-tiny", "ml-tiny"):
-        folder = registry.resolve(model)
-        out = results_dir / "runs" / f"compare-{model}-mn"
-        res = compare(model, folder, "mn", prompts.load(limit=per_suite), out, tokens,
-                      dict(k_max=4, tau=0.6, budget=24), "q4_0",
-                      lambda qt: expert_file_for(model, folder, qt, log=log), collect(results_dir), log=log)
-        for row in res["methods"].values():
-            row.pop("tokens")
+        res = _compare_on_mn(results_dir, log, model, per_suite, tokens, "table2")
         de = res["methods"]["draftexpert"]["method_args"]["draft_experts"]
         de = ("untrained (zero: shared + top-1)" if de["preset"] == "zero"
               else f"distilled, preset {de['preset']} ({de['file']})")
@@ -90,24 +98,11 @@ def spec_compare(results_dir: Path, log, per_suite: int = FIG1B_PER_SUITE, token
 
 def table4(results_dir: Path, log, per_suite: int = FIG1B_PER_SUITE, tokens: int = FIG1B_TOKENS) -> list[str]:
     """Table 4 on mn: DraftExpert with fixed K, confidence–expansion truncation, and + prefetch."""
-    import torch
-
-    from bench import prompts, registry
-    from bench.compare import compare
-    from bench.runner import expert_file_for
-    from bench.telemetry import collect
     from paper_figs.spec_table import table4 as render
 
-    torch.set_num_threads(FIG1B_THREADS)
     written = []
     for model in ("ds-tiny", "ml-tiny"):
-        folder = registry.resolve(model)
-        res = compare(model, folder, "mn", prompts.load(limit=per_suite), results_dir / "runs" / f"compare-{model}-mn",
-                      tokens, dict(k_max=4, tau=0.6, budget=24), "q4_0",
-                      lambda qt: expert_file_for(model, folder, qt, log=log), collect(results_dir), log=log,
-                      method_set="table4")
-        for row in res["methods"].values():
-            row.pop("tokens")
+        res = _compare_on_mn(results_dir, log, model, per_suite, tokens, "table4")
         write_json_atomic(results_dir / f"table4_{model}_mn.json", res)
         (results_dir / f"table4_{model}_mn.md").write_text(
             f"{model} on mn (Q4_0 experts from flash, cold), {per_suite} prompts per suite, {tokens} new tokens, "
@@ -120,22 +115,11 @@ def table4(results_dir: Path, log, per_suite: int = FIG1B_PER_SUITE, tokens: int
 
 def fig3(results_dir: Path, log, per_suite: int = FIG1B_PER_SUITE, tokens: int = FIG1B_TOKENS) -> list[str]:
     """Fig. 3 on mn: each drafter's cumulative unique layer-experts vs draft length (K = 8, fixed)."""
-    import torch
-
-    from bench import prompts, registry
-    from bench.compare import compare
-    from bench.runner import expert_file_for
-    from bench.telemetry import collect
     from paper_figs import fig3 as render
 
-    torch.set_num_threads(FIG1B_THREADS)
     written = []
     for model in ("ds-tiny", "ml-tiny"):
-        folder = registry.resolve(model)
-        res = compare(model, folder, "mn", prompts.load(limit=per_suite), results_dir / "runs" / f"compare-{model}-mn",
-                      tokens, dict(tau=0.6, budget=24), "q4_0",
-                      lambda qt: expert_file_for(model, folder, qt, log=log), collect(results_dir), log=log,
-                      method_set="fig3")
+        res = _compare_on_mn(results_dir, log, model, per_suite, tokens, "fig3")  # the set fixes K = 8
         curves = {label.removesuffix("-k8"): row["draft_unique_curve"] for label, row in res["methods"].items()
                   if label != "ar"}
         (results_dir / f"fig3_{model}_mn.md").write_text(
