@@ -37,6 +37,9 @@ class AROffloadDecoder:
     def __init__(self, model: MoEModel, temperature: float = 0.0, seed: int = 0, max_len: int = 2048):
         self.model, self.temperature, self.seed, self.max_len = model, temperature, seed, max_len
 
+    def close(self) -> None:
+        self.model.experts.close()
+
     def generate(self, prompt_ids: list[int], max_new_tokens: int, eos_token_id: int | None = None) -> DecodeOutput:
         ledger = self.model.experts.ledger
         ledger.reset()

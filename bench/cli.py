@@ -24,6 +24,7 @@ app.add_typer(data_app, name="data")
 app.add_typer(model_app, name="model")
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout (logs on stderr).")]
+EngineOpt = Annotated[str, typer.Option("--engine", help="torch | llama.cpp (platform mn; needs the llamacpp extra)")]
 ModelPathOpt = Annotated[Path | None, typer.Option("--model-path", help="Folder of the model in Hugging Face format.")]
 REPO_ROOT = registry.REPO_ROOT
 WORK_DIR = REPO_ROOT / "work"
@@ -211,9 +212,18 @@ def convert(model: Annotated[str, typer.Option("--model", help="ds | ml | ds-tin
             model_path: ModelPathOpt = None,
             to: Annotated[str, typer.Option("--to", help="Target format (gguf).")] = "gguf",
             qtype: Annotated[str, typer.Option("--type", help="f32 | f16 | bf16 | q4_0")] = "q4_0",
-            out: Annotated[Path | None, typer.Option("--out", help="File to write (default: the cache).")] = None,
+            drafter: Annotated[bool, typer.Option("--drafter/--no-drafter", help="Also write the DraftExpert drafter's "
+                                                  "llama.cpp head.")] = False,
+            draft_experts: Annotated[Path | None, typer.Option("--draft-experts", help="With --drafter: a distilled "
+                                                               "checkpoint (default: the model's `full` preset, else zero).")] = None,
+            out: Annotated[Path | None, typer.Option("--out", help="Expert file to write (default: the cache).")] = None,
             as_json: JsonOpt = False):
-    """Write a checkpoint's routed experts into a GGUF file for the flash store (platform mn)."""
+    """Write a checkpoint as GGUF: the routed experts (the flash store's file, platform mn) and the
+    llama.cpp model over them — a head with every other weight as split 1, the expert file as
+    split 2 — and, with --drafter, the DraftExpert drafter's head over the same split 2.
+    shared+top-r needs no file of its own: it is the target loaded with expert_used_count = r."""
+    from bench.runner import llama_head_for, load_experts
+    from draftexpert.distill import DistillError
     from draftexpert.gguf_experts import TYPES
     from draftexpert.loader import CheckpointError
 
@@ -224,10 +234,16 @@ def convert(model: Annotated[str, typer.Option("--model", help="ds | ml | ds-tin
     folder = resolve_or_fail(model, model_path)
     try:
         path = expert_file(model, folder, qtype, out)
-    except (CheckpointError, ValueError) as e:
+        files = {"experts": str(path), "target": str(llama_head_for(model, folder, qtype, path, log=log))}
+        if drafter:
+            draft, meta = load_experts(model, folder, draft_experts)
+            if draft is None:
+                fail(f"--drafter: {model} has no distilled draft experts (bench distill), and --draft-experts was not given")
+            files["draftexpert"] = str(llama_head_for(model, folder, qtype, path, draft, meta["sha256"], log=log))
+    except (CheckpointError, DistillError, ValueError) as e:
         fail(str(e))
-    emit({"model": model, "type": qtype, "path": str(path), "bytes": path.stat().st_size}, as_json,
-         f"{path} ({path.stat().st_size / 2**20:.1f} MiB)")
+    emit({"model": model, "type": qtype, "bytes": path.stat().st_size, **files}, as_json,
+         "\n".join(f"{k}: {v}" for k, v in files.items()))
 
 
 def _check_run_flags(platform: str, expert_type: str, suite: list[str] | None) -> None:
@@ -284,6 +300,7 @@ def run(model: Annotated[str, typer.Option("--model", help="ds | ml | ds-tiny | 
                                                            "zero = shared+top-1).")] = None,
         compile: Annotated[bool, typer.Option("--compile", help="torch.compile the one-token decode step (static "
                                               "shapes; ~20 s of compilation the first time).")] = False,
+        engine: EngineOpt = "torch",
         as_json: JsonOpt = False):
     """Decode the prompt suites with one method; one record per prompt, resumable.
 
@@ -298,6 +315,7 @@ def run(model: Annotated[str, typer.Option("--model", help="ds | ml | ds-tiny | 
     from bench.runner import METHODS, make_decoder, run_cells
     from bench.telemetry import collect
     from draftexpert.gguf_experts import ExpertFileError
+    from draftexpert.llamacpp import LlamaCppError
     from draftexpert.loader import CheckpointError
 
     if method not in METHODS:
@@ -332,11 +350,12 @@ def run(model: Annotated[str, typer.Option("--model", help="ds | ml | ds-tiny | 
                                                expert_file=lambda qt: expert_file(model, folder, qt),
                                                spec=dict(r=r, k_max=k_max, tau=tau, budget=budget, budget_mode=budget_mode,
                                                          truncate=truncate, prefetch=prefetch, draft_cache=draft_cache,
-                                                         draft_experts=draft_experts), compile=compile)
-    except (CheckpointError, ExpertFileError, ValueError) as e:  # DistillError is a ValueError
+                                                         draft_experts=draft_experts), compile=compile, engine=engine)
+    except (CheckpointError, ExpertFileError, LlamaCppError, ValueError) as e:  # DistillError is a ValueError
         fail(str(e))
     label = f"top-{r}" if method == "top-r" else method
-    run_dir = out or (REPO_ROOT / "runs" / f"{model}-{label}-{cfg.platform}")
+    engine_tag = "-llama.cpp" if engine == "llama.cpp" else ""
+    run_dir = out or (REPO_ROOT / "runs" / f"{model}-{label}-{cfg.platform}{engine_tag}")
     summary = run_cells(cfg, recs, decoder, tokenizer, run_dir, machine=collect(run_dir, measure_io=True), log=log)
     if as_json:  # every record of this configuration: tokens and every ledger metric, per prompt
         from bench.results import read_records
@@ -365,6 +384,7 @@ def compare(model: Annotated[str, typer.Option("--model")] = "ds-tiny", model_pa
                                                                "(default: the model's `full` preset, else zero).")] = None,
             threads: Annotated[int | None, typer.Option("--threads", min=1, help="torch CPU threads.")] = None,
             compile: Annotated[bool, typer.Option("--compile", help="torch.compile the one-token decode step.")] = False,
+            engine: EngineOpt = "torch",
             out: Annotated[Path | None, typer.Option("--out", help="Folder of the per-method run folders.")] = None,
             as_json: JsonOpt = False):
     """AR offload vs shared+top-r (r = 1, 2, 3; fixed K, no prefetch) vs DraftExpert (truncation +
@@ -376,6 +396,7 @@ def compare(model: Annotated[str, typer.Option("--model")] = "ds-tiny", model_pa
     from bench import prompts
     from bench.telemetry import collect
     from draftexpert.gguf_experts import ExpertFileError
+    from draftexpert.llamacpp import LlamaCppError
     from draftexpert.loader import CheckpointError
 
     if method_set not in cmp.SETS:
@@ -389,17 +410,52 @@ def compare(model: Annotated[str, typer.Option("--model")] = "ds-tiny", model_pa
     if threads:
         torch.set_num_threads(threads)
     recs = [p for s in (suite or list(prompts.SUITES)) for p in prompts.load(s, limit)]
-    out_dir = out or (REPO_ROOT / "runs" / f"compare-{model}-{platform}")
+    out_dir = out or (REPO_ROOT / "runs" / f"compare-{model}-{platform}{'-llama.cpp' if engine == 'llama.cpp' else ''}")
     try:
         res = cmp.compare(model, folder, platform, recs, out_dir, max_new_tokens,
                           dict(k_max=k_max, tau=tau, budget=budget, draft_experts=draft_experts), expert_type,
                           lambda qt: expert_file(model, folder, qt), collect(out_dir, measure_io=True),
-                          labels=method, log=log, compile=compile, method_set=method_set)
-    except (CheckpointError, ExpertFileError, ValueError) as e:
+                          labels=method, log=log, compile=compile, method_set=method_set, engine=engine)
+    except (CheckpointError, ExpertFileError, LlamaCppError, ValueError) as e:
         fail(str(e))
     from paper_figs.spec_table import table, table4
 
     emit(res, as_json, (table4 if method_set == "table4" else table)(res) + f"\n\ntokens equal AR: {res['tokens_equal_ar']}  ({out_dir})")
+
+
+@app.command()
+def crosscheck(model: Annotated[str, typer.Option("--model")] = "ds-tiny", model_path: ModelPathOpt = None,
+               qtype: Annotated[str, typer.Option("--type", help="f32 | f16 (a quantized file is another model)")] = "f32",
+               suite: Annotated[list[str] | None, typer.Option("--suite", help="Prompt suite(s); default all six.")] = None,
+               limit: Annotated[int | None, typer.Option("--limit", min=1, help="First N prompts of each suite.")] = None,
+               max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", min=1)] = 32,
+               threads: Annotated[int, typer.Option("--threads", min=1, help="llama.cpp and torch threads.")] = 1,
+               as_json: JsonOpt = False):
+    """llama.cpp vs the torch engine on the same checkpoint: greedy tokens and per-token expert
+    sets on the prompt suites; mismatches are counted, each with its margin (a near-tie or not)."""
+    import torch
+
+    from bench import prompts
+    from bench.crosscheck import crosscheck as run_crosscheck
+    from bench.runner import llama_head_for
+    from draftexpert.llamacpp import LlamaCppError
+    from draftexpert.loader import CheckpointError
+
+    if qtype not in ("f32", "f16"):
+        fail(f"--type: {qtype!r} — compare engines at f32 or f16; a quantized file is a different model")
+    _check_run_flags("mn", qtype, suite)
+    folder = resolve_or_fail(model, model_path)
+    torch.set_num_threads(threads)
+    recs = [p for s in (suite or list(prompts.SUITES)) for p in prompts.load(s, limit)]
+    try:
+        path = expert_file(model, folder, qtype)
+        res = run_crosscheck(folder, recs, llama_head_for(model, folder, qtype, path, log=log), max_new_tokens,
+                             threads, log=log)
+    except (CheckpointError, LlamaCppError, ValueError) as e:
+        fail(str(e))
+    res.update(model=model, type=qtype, max_new_tokens=max_new_tokens)
+    emit(res, as_json, f"{model} {qtype}: {res['prompts']} prompts, token mismatches {res['token_mismatches']}, "
+         f"expert-set mismatches {res['expert_set_mismatches']} of {res['layer_positions']} layer-positions")
 
 
 # ---------------------------------------------------------------- speed benchmarks

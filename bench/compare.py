@@ -37,7 +37,7 @@ SETS = {"table2": METHODS, "table4": POLICIES, "fig3": FOOTPRINT}
 
 def compare(model: str, folder: Path, platform: str, prompts: list[dict], out_dir: Path, max_new_tokens: int,
             spec: dict, expert_type: str, expert_file, machine: dict | None, labels: list[str] | None = None,
-            log=print, compile: bool = False, method_set: str = "table2") -> dict:
+            log=print, compile: bool = False, method_set: str = "table2", engine: str = "torch") -> dict:
     from bench.results import read_records
     from paper_figs.spec_table import aggregate
     from bench.runner import make_decoder, run_cells
@@ -48,11 +48,11 @@ def compare(model: str, folder: Path, platform: str, prompts: list[dict], out_di
             continue
         decoder, tokenizer, cfg = make_decoder(model, folder, method, platform, expert_type=expert_type,
                                                max_new_tokens=max_new_tokens, expert_file=expert_file,
-                                               spec={**spec, **over}, compile=compile)
+                                               spec={**spec, **over}, compile=compile, engine=engine)
         run_dir = out_dir / label
         log(f"== {label} → {run_dir}")
         summary = run_cells(cfg, prompts, decoder, tokenizer, run_dir, machine=machine, log=log)
-        decoder.model.experts.close()
+        decoder.close()
         recs = [r for r in read_records(run_dir / "records.jsonl") if r["config_hash"] == summary["config_hash"]]
         rows[label] = aggregate(recs)
         rows[label]["tokens"] = {r["prompt_id"]: r["tokens"] for r in recs}
@@ -68,5 +68,5 @@ def compare(model: str, folder: Path, platform: str, prompts: list[dict], out_di
         row["verify_cost_x_ar"] = row["verify_forward_s"] / ar_forward if ar_forward and "verify_forward_s" in row else None
     same = {label: all(row["tokens"][p] == rows["ar"]["tokens"][p] for p in row["tokens"])
             for label, row in rows.items() if "ar" in rows and label != "ar"}
-    return {"model": model, "platform": platform, "set": method_set, "expert_type": expert_type if platform == "mn" else None,
+    return {"model": model, "platform": platform, "engine": engine, "set": method_set, "expert_type": expert_type if platform == "mn" else None,
             "max_new_tokens": max_new_tokens, "spec": spec, "methods": rows, "tokens_equal_ar": same}

@@ -45,6 +45,7 @@ def expert_file_for(model: str, folder: Path, qtype: str, out: Path | None = Non
     from draftexpert.loader import convert_experts
 
     h = hashlib.sha256((folder / "config.json").read_bytes())
+    h.update(b"expert split v2")  # v2: the file is split 2 of the llama.cpp model (split.no = 1)
     for p in sorted(folder.glob("*.safetensors")):
         st = p.stat()
         h.update(f"{p.name}:{st.st_size}:{st.st_mtime_ns}".encode())
@@ -57,18 +58,104 @@ def expert_file_for(model: str, folder: Path, qtype: str, out: Path | None = Non
 
 
 METHODS = ("ar", "reference", "top-r", "draftexpert")
+ENGINES = ("torch", "llama.cpp")
+
+
+def llama_head_for(model: str, folder: Path, qtype: str, expert_file: Path, draft=None, draft_id: str | None = None,
+                   log: Callable[[str], None] = lambda m: print(m, file=sys.stderr)) -> Path:
+    """Split 1 of the llama.cpp model (the target's, or a DraftExpert drafter's), written once next
+    to the expert file, whose symlink is split 2 (`draftexpert.llama_gguf`)."""
+    from draftexpert.llama_gguf import link_experts, split_name, write_head
+
+    prefix = expert_file.with_suffix("") / ("target" if draft is None else f"draftexpert-{draft_id}")
+    head = split_name(prefix, 1)
+    if not head.exists():
+        head.parent.mkdir(parents=True, exist_ok=True)
+        log(f"writing the llama.cpp {qtype} head {head} (once)")
+        write_head(folder, head, qtype, draft)
+    link_experts(prefix, expert_file)
+    return head
+
+
+def make_llama_decoder(model: str, folder: Path, method: str, expert_type: str, expert_file: Callable[[str], Path],
+                       spec: dict | None, threads: int, max_new_tokens: int, temperature: float = 0.0):
+    """(decoder, tokenizer, cell config) on the llama.cpp engine (platform mn, greedy)."""
+    import numpy as np
+    from transformers import AutoTokenizer
+
+    from draftexpert.llamacpp import (ExpertPages, LlamaARDecoder, LlamaModel, LlamaSpeculativeDecoder,
+                                      require_llama_cpp)
+    from draftexpert.loader import Checkpoint, load_config
+
+    if method not in ("ar", "top-r", "draftexpert"):
+        raise ValueError(f"--method {method} does not run on the llama.cpp engine (ar, top-r, draftexpert do)")
+    if temperature > 0:
+        raise ValueError("--temperature: the llama.cpp engine decodes greedily; use the torch engine to sample")
+    require_llama_cpp()
+    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    hf = load_config(folder)
+    experts = expert_file(expert_type)
+    pages = ExpertPages(experts)
+    n_ctx = 2048
+    target = LlamaModel(llama_head_for(model, folder, expert_type, experts), n_ctx, threads)
+    args = {"expert_type": expert_type, "threads": threads,
+            "staging": "mmap page faults; expert pages evicted after every step/round (madvise + fadvise DONTNEED)"}
+    if method == "ar":
+        decoder = LlamaARDecoder(target, pages)
+    else:
+        from draftexpert.speculative import SpecConfig
+
+        spec = dict(spec or {})
+        r = spec.pop("r", 1)
+        de_file = spec.pop("draft_experts", None)
+        spec.pop("draft_cache", None)  # llama.cpp: the drafter always has its own context
+        conf = SpecConfig(**spec)
+        if method == "top-r":
+            drafter = LlamaModel(llama_head_for(model, folder, expert_type, experts), n_ctx, threads,
+                                 used_experts=r, tap_router_logits=True)
+            args["r"] = r
+        else:
+            draft, meta = load_experts(model, folder, de_file)
+            if draft is None:
+                from draftexpert.drafters import DraftExperts
+
+                draft = DraftExperts.zeros(list(range(hf.first_k_dense_replace, hf.num_hidden_layers)),
+                                           hf.hidden_size, hf.moe_intermediate_size)
+            head = llama_head_for(model, folder, expert_type, experts, draft, meta.get("sha256") or "zero")
+            drafter = LlamaModel(head, n_ctx, threads, tap_router_logits=True)
+            args["draft_experts"] = meta
+        ckpt = Checkpoint(folder)
+        bias = {i: ckpt.get(f"model.layers.{i}.mlp.gate.e_score_correction_bias").float().numpy().astype(np.float32)
+                for i in range(hf.first_k_dense_replace, hf.num_hidden_layers)
+                if f"model.layers.{i}.mlp.gate.e_score_correction_bias" in ckpt.keys()}
+        decoder = LlamaSpeculativeDecoder(target, drafter, pages, conf, hf.num_experts_per_tok, bias,
+                                          name=f"top-{r}" if method == "top-r" else method)
+        args.update({k: v for k, v in asdict(conf).items() if k not in ("temperature", "seed", "draft_cache")})
+    cfg = CellConfig(model=model, method=method, platform="mn", engine="llama.cpp", max_new_tokens=max_new_tokens,
+                     method_args=args)
+    return decoder, tokenizer, cfg
 
 
 def make_decoder(model: str, folder: Path, method: str, platform: str, expert_type: str = "q4_0",
                  cache_experts: int = 0, staging_budget: int = 0, temperature: float = 0.0, seed: int = 0,
                  max_new_tokens: int = 64, expert_file: Callable[[str], Path] | None = None,
-                 spec: dict | None = None, compile: bool = False):
+                 spec: dict | None = None, compile: bool = False, engine: str = "torch"):
     """(decoder, tokenizer, cell config) for a method on a platform. `expert_file(type)` gives
     the GGUF expert file of the checkpoint (written once) for platform mn. `spec` holds the
     speculative methods' arguments: r, and `SpecConfig` fields (k_max, tau, budget,
-    budget_mode, truncate, prefetch, draft_cache)."""
+    budget_mode, truncate, prefetch, draft_cache). `engine`: torch, or llama.cpp (platform mn)."""
     import torch
     from transformers import AutoTokenizer
+
+    if engine not in ENGINES:
+        raise ValueError(f"--engine: {engine!r} is not one of {', '.join(ENGINES)}")
+    if engine == "llama.cpp":
+        if platform != "mn":
+            raise ValueError(f"--platform: the llama.cpp engine runs platform mn (experts from storage), not {platform}")
+        if compile:
+            raise ValueError("--compile applies to the torch engine only")
+        return make_llama_decoder(model, folder, method, expert_type, expert_file, spec, torch.get_num_threads(),
+                                  max_new_tokens, temperature)
 
     tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     if method == "reference":

@@ -28,3 +28,6 @@ class Decoder(Protocol):
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, eos_token_id: int | None = None) -> DecodeOutput:
         ...
+
+    def close(self) -> None:
+        """Release what the decoder holds open (expert files, llama.cpp contexts)."""

@@ -7,7 +7,8 @@ contiguous byte range: offset = data_offset + e · (n_bytes / E). Loading one ex
 contiguous reads (gate, up, down) issued together; each is widened to 4 KiB-aligned bounds as
 O_DIRECT requires (the file's data alignment is 4 KiB, so bf16/f16/f32 slices are already
 aligned and Q4_0 slices cost at most one extra page a read). Keeping llama.cpp's layout means
-the same file serves llama.cpp (platform mn's second engine).
+the same file serves llama.cpp (platform mn's second engine) as split 2 of the model
+(`split.no = 1`; `llama_gguf` writes split 1, the head).
 
 Types: F32, F16, BF16, Q4_0 (18-byte blocks of 32 weights: an f16 scale d, then 16 bytes whose low
 nibbles are weights 0–15 and high nibbles 16–31; w = d · (q − 8)), bit-identical to llama.cpp's.
@@ -53,6 +54,8 @@ def write_expert_gguf(path: Path, experts, meta: dict, qtype: str = "q4_0") -> P
     tmp = path.with_name(path.name + ".part")
     w = gguf.GGUFWriter(str(tmp), ARCH)
     w.add_custom_alignment(ALIGN)
+    w.add_uint16(gguf.Keys.Split.LLM_KV_SPLIT_NO, 1)  # split 2 of the llama.cpp model (llama_gguf)
+    w.add_uint16(gguf.Keys.Split.LLM_KV_SPLIT_COUNT, 2)
     w.add_block_count(meta["n_layer"])
     w.add_embedding_length(meta["n_embd"])
     w.add_expert_count(meta["n_expert"])

@@ -32,6 +32,9 @@ class ReferenceDecoder:
     def __init__(self, model):
         self.model = model.eval()
 
+    def close(self) -> None:
+        """Nothing held open: the weights are ordinary tensors."""
+
     @torch.inference_mode()
     def generate(self, prompt_ids: list[int], max_new_tokens: int, eos_token_id: int | None = None) -> DecodeOutput:
         ids = torch.tensor([prompt_ids], dtype=torch.long)

@@ -98,6 +98,9 @@ class SpeculativeDecoder:
         self.name = path.name
         self.trace = trace  # when a list: one dict per round (sets and tokens) for audits and tests
 
+    def close(self) -> None:
+        self.model.experts.close()
+
     # -- phases ---------------------------------------------------------------------------
     def draft(self, committed: list[int], cache: KVCache, k_limit: int, gen) -> Draft:
         """Propose up to k_limit tokens on the draft path (draft → truncate → prefetch)."""
