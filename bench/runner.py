@@ -97,8 +97,9 @@ def make_llama_decoder(model: str, folder: Path, method: str, expert_type: str, 
     experts = expert_file(expert_type)
     pages = ExpertPages(experts)
     n_ctx = 2048
-    target = LlamaModel(llama_head_for(model, folder, expert_type, experts), n_ctx, threads)
-    args = {"expert_type": expert_type, "threads": threads,
+    kv = "f32" if expert_type == "f32" else "f16"  # an f32 model keeps an f32 cache; else llama.cpp's f16
+    target = LlamaModel(llama_head_for(model, folder, expert_type, experts), n_ctx, threads, kv_type=kv)
+    args = {"expert_type": expert_type, "threads": threads, "kv_type": kv,
             "staging": "mmap page faults; expert pages evicted after every step/round (madvise + fadvise DONTNEED)"}
     if method == "ar":
         decoder = LlamaARDecoder(target, pages)
@@ -112,7 +113,7 @@ def make_llama_decoder(model: str, folder: Path, method: str, expert_type: str, 
         conf = SpecConfig(**spec)
         if method == "top-r":
             drafter = LlamaModel(llama_head_for(model, folder, expert_type, experts), n_ctx, threads,
-                                 used_experts=r, tap_router_logits=True)
+                                 used_experts=r, tap_router_logits=True, kv_type=kv)
             args["r"] = r
         else:
             draft, meta = load_experts(model, folder, de_file)
@@ -122,7 +123,7 @@ def make_llama_decoder(model: str, folder: Path, method: str, expert_type: str, 
                 draft = DraftExperts.zeros(list(range(hf.first_k_dense_replace, hf.num_hidden_layers)),
                                            hf.hidden_size, hf.moe_intermediate_size)
             head = llama_head_for(model, folder, expert_type, experts, draft, meta.get("sha256") or "zero")
-            drafter = LlamaModel(head, n_ctx, threads, tap_router_logits=True)
+            drafter = LlamaModel(head, n_ctx, threads, tap_router_logits=True, kv_type=kv)
             args["draft_experts"] = meta
         ckpt = Checkpoint(folder)
         bias = {i: ckpt.get(f"model.layers.{i}.mlp.gate.e_score_correction_bias").float().numpy().astype(np.float32)

@@ -16,6 +16,12 @@ Pieces:
   (one page per fault: MADV_RANDOM), evicted at the end of every AR step / speculation round
   (the paper's cold setting). Non-routed
   weights (the head) are never evicted: they stand for accelerator-resident weights.
+- Exactness needs a batch-invariant build: a multi-token verify eval must compute bit for bit
+  what one-token evals compute. llama.cpp's default build routes matrix products through
+  llamafile's sgemm, which tiles by batch size (measured here: verify-block vs one-token logits
+  differ by 8e-4 at f32 and 4e-2 at Q4_0, flipping greedy tokens); built with
+  `-DGGML_LLAMAFILE=OFF` every product is the same per-element dot product and the difference is
+  0.0. The speculative decoder refuses a llamafile build (`build_info`).
 - `LlamaARDecoder`, `LlamaSpeculativeDecoder`: the `Decoder` contract; the speculative loop has
   the torch engine's phases and controller (draft → truncate → prefetch → verify → accept →
   commit, `SpecConfig`), greedy only. The drafter is a second llama.cpp context with its own KV
@@ -68,13 +74,24 @@ def require_llama_cpp():
     return llama_cpp
 
 
+def build_info() -> dict[str, str]:
+    """llama.cpp's compiled features (`llama_print_system_info`), e.g. {"AVX2": "1", "LLAMAFILE": "0"}."""
+    llama_cpp = require_llama_cpp()
+    import re
+
+    return dict(re.findall(r"(\w+) = (\w+)", llama_cpp.llama_print_system_info().decode()))
+
+
 # -- the model ----------------------------------------------------------------------------
+KV_TYPES = {"f32": 0, "f16": 1}  # ggml_type of the KV cache (llama.cpp's default: f16)
+
+
 class LlamaModel:
-    """One llama.cpp model with its own context (KV cache), logits for every evaluated position,
-    and router taps filled by each `eval`: `topk[l]` [T, k] int, `router_logits[l]` [T, E] float."""
+    """One llama.cpp model with its own context (KV cache, `kv_type`), logits for every evaluated
+    position, and router taps filled by each `eval`: `topk[l]` [T, k] int, `router_logits[l]` [T, E]."""
 
     def __init__(self, head: Path, n_ctx: int = 2048, threads: int = 1, used_experts: int | None = None,
-                 tap_router_logits: bool = False):
+                 tap_router_logits: bool = False, kv_type: str = "f16"):
         llama_cpp = require_llama_cpp()
         self.topk: dict[int, np.ndarray] = {}
         self.router_logits: dict[int, np.ndarray] = {}
@@ -86,7 +103,8 @@ class LlamaModel:
             try:
                 self.llm = llama_cpp.Llama(model_path=str(head), n_ctx=n_ctx, n_batch=min(n_ctx, 2048), logits_all=True,
                                            n_threads=threads, n_threads_batch=threads, use_mmap=True,
-                                           kv_overrides=overrides, verbose=False)
+                                           kv_overrides=overrides, verbose=False, type_k=KV_TYPES[kv_type],
+                                           type_v=KV_TYPES[kv_type])
             except ValueError as e:
                 raise LlamaCppError(f"{head}: llama.cpp could not load this model ({e})") from e
 
@@ -194,6 +212,7 @@ class ExpertPages:
         self.lo = min(starts) // PAGE * PAGE
         self.hi = max(s.offset + s.nbytes * s.n_experts for s in self.slices.values())
         self.fd = os.open(self.path, os.O_RDONLY)
+        os.fdatasync(self.fd)  # a freshly written file's dirty pages would survive POSIX_FADV_DONTNEED
         self.size = os.fstat(self.fd).st_size
         self.addr = _libc.mmap(None, self.size, mmap.PROT_READ, mmap.MAP_SHARED, self.fd, 0)  # never touched
         if self.addr in (None, ctypes.c_void_p(-1).value):
@@ -205,23 +224,20 @@ class ExpertPages:
         return [(s.offset + e * s.nbytes, s.nbytes) for s in (self.slices[(layer, p)] for p in PARTS)]
 
     def evict(self) -> None:
-        """Drop every expert page from this process's mappings and from the page cache; mark the
-        mappings' expert ranges MADV_RANDOM, so a fault reads its own page, not the kernel's
-        read-around window (8 MiB on this VM's disk: one fault would stage a third of the experts)."""
+        """Drop the file's pages from every mapping of it in this process and from the page cache
+        (the whole file: a large folio can straddle the header and the first expert); mark the
+        mappings MADV_RANDOM, so a fault reads its own page, not the kernel's read-around window
+        (8 MiB on this VM's disk: one fault would stage a third of the experts). The header is
+        read once at load; after that only expert pages are ever touched."""
         with open("/proc/self/maps") as maps:
             for line in maps:
                 fields = line.split()
-                if len(fields) < 6 or Path(fields[5]).resolve() != self.path:
+                if len(fields) < 6 or fields[5] != str(self.path):
                     continue
                 start, end = (int(x, 16) for x in fields[0].split("-"))
-                file_off = int(fields[2], 16)
-                lo, hi = max(self.lo, file_off), min(self.hi, file_off + end - start)
-                if lo < hi:
-                    a = start + (lo - file_off) // PAGE * PAGE
-                    n = -(-(hi - file_off) // PAGE) * PAGE + start - a
-                    _libc.madvise(a, n, MADV_DONTNEED)
-                    _libc.madvise(a, n, MADV_RANDOM)
-        os.posix_fadvise(self.fd, self.lo, self.hi - self.lo, POSIX_FADV_DONTNEED)
+                _libc.madvise(start, end - start, MADV_DONTNEED)
+                _libc.madvise(start, end - start, MADV_RANDOM)
+        os.posix_fadvise(self.fd, 0, 0, POSIX_FADV_DONTNEED)
 
     def prefetch(self, keys) -> int:
         """Asynchronous readahead of the experts `keys` {(layer, e)}; returns bytes requested."""
@@ -331,6 +347,12 @@ class LlamaSpeculativeDecoder(_Engine):
                  top_k: int, bias: dict[int, np.ndarray] | None = None, name: str = "draftexpert"):
         if config.temperature > 0:
             raise ValueError("the llama.cpp engine decodes greedily (temperature 0)")
+        if build_info().get("LLAMAFILE") == "1":
+            raise LlamaCppError(
+                "this llama.cpp build multiplies with llamafile's sgemm, whose results depend on the batch size: a "
+                "verify block would not compute what one-token AR steps compute, and speculation would not be exact. "
+                "Rebuild: CMAKE_ARGS='-DGGML_NATIVE=OFF -DGGML_LLAMAFILE=OFF' pip install --no-cache-dir "
+                "--force-reinstall llama-cpp-python==0.3.36 (README)")
         super().__init__(pages)
         self.target, self.drafter, self.cfg, self.top_k = target, drafter, config, top_k
         self.models = (target, drafter)

@@ -1,0 +1,192 @@
+"""The llama.cpp engine, for real (llama-cpp-python is installed by `make test`): GGUF files written
+from a checkpoint load in llama.cpp and compute the torch runtime's logits and expert sets;
+speculative outputs (shared+top-r, DraftExpert) equal llama.cpp's own AR greedy output at f32 and
+Q4_0; the DraftExpert drafter's GGUF computes the torch drafter; staging really goes to storage."""
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
+
+from draftexpert.drafters import DraftExperts, draftexpert
+from draftexpert.llama_gguf import link_experts, split_name, write_head
+from draftexpert.loader import build_model, convert_experts
+from draftexpert.model import KVCache
+from draftexpert.speculative import SpecConfig
+
+pytest.importorskip("llama_cpp", reason="the llamacpp extra is not installed (make test installs it)")
+from draftexpert.llamacpp import (ExpertPages, LlamaARDecoder, LlamaModel,  # noqa: E402
+                                  LlamaSpeculativeDecoder, build_info)
+
+REPO = Path(__file__).resolve().parents[1]
+# Dimensions in whole Q4_0 blocks (32); weights large enough that a drafter disagrees with the target.
+COMMON = dict(vocab_size=4096, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
+              first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=16,
+              n_shared_experts=2, num_experts_per_tok=4, q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16,
+              qk_rope_head_dim=8, v_head_dim=16, n_group=1, topk_group=1, initializer_range=0.3,
+              bos_token_id=0, eos_token_id=1, pad_token_id=2)
+MOE = [1, 2]
+PROMPTS = [[0, 17, 250, 3000, 41, 9], [0, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [0, 999, 12, 12, 12, 400, 3]]
+
+
+@pytest.fixture(scope="module")
+def disk_dir():
+    """A folder on a real disk (page cache and fadvise behave as on storage; tmpfs would not)."""
+    d = REPO / "work" / "pytest-llamacpp"
+    shutil.rmtree(d, ignore_errors=True)
+    d.mkdir(parents=True)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def checkpoint(version: str, folder: Path) -> Path:
+    torch.manual_seed(0)
+    if version == "v2":
+        m = DeepseekV2ForCausalLM(DeepseekV2Config(**COMMON, topk_method="greedy"))
+    else:
+        m = DeepseekV3ForCausalLM(DeepseekV3Config(**COMMON, norm_topk_prob=True, routed_scaling_factor=2.5))
+        for layer in m.model.layers[1:]:
+            layer.mlp.gate.e_score_correction_bias.normal_(0, 0.05)
+    m.save_pretrained(folder)
+    if version == "v3":  # transformers does not save it; llama.cpp needs it (README: converter pitfalls)
+        import json
+
+        cfg = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**cfg, "scoring_func": "sigmoid"}))
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(REPO / "models" / "ds-tiny" / f, folder / f)
+    return folder
+
+
+def model_files(folder: Path, qtype: str, draft=None, name="target") -> tuple[Path, Path]:
+    experts = folder.parent / f"{folder.name}-{qtype}.gguf"
+    if not experts.exists():
+        convert_experts(folder, experts, qtype)
+    prefix = folder.parent / f"{folder.name}-{qtype}" / name
+    prefix.parent.mkdir(exist_ok=True)
+    head = write_head(folder, split_name(prefix, 1), qtype, draft)
+    link_experts(prefix, experts)
+    return head, experts
+
+
+@pytest.fixture(scope="module", params=["v2", "v3"])
+def ckpt(request, disk_dir):
+    return checkpoint(request.param, disk_dir / request.param)
+
+
+def random_draft(folder: Path) -> DraftExperts:
+    return DraftExperts.random(MOE, 64, 32, seed=1, std=0.3)
+
+
+def test_build_is_batch_invariant():
+    """Exactness needs a multi-token eval to compute what one-token evals compute: llamafile's
+    sgemm (on in llama.cpp's default build) does not (the engine refuses to speculate on it)."""
+    assert build_info().get("LLAMAFILE", "0") == "0", "build llama-cpp-python with CMAKE_ARGS='-DGGML_LLAMAFILE=OFF' (README)"
+
+
+def test_llama_cpp_computes_the_torch_runtime(ckpt):
+    """Same checkpoint at f32 (f16 weights are another model: a routing flip moves whole logits):
+    logits at every prompt position agree, and so do the routed expert sets."""
+    head, _ = model_files(ckpt, "f32")
+    lm = LlamaModel(head, 256, 1, kv_type="f32")
+    torch_model = build_model(ckpt, "resident")
+    for ids in PROMPTS:
+        lm.reset()
+        got = lm.eval(ids)
+        want = torch_model.forward(torch.tensor(ids), KVCache.for_model(torch_model, len(ids)))
+        scale = float(want.abs().max())
+        assert np.abs(got - want.numpy()).max() <= 1e-4 * scale
+        for layer in MOE:
+            assert (np.sort(lm.topk[layer], 1) == np.sort(torch_model.last_routing[layer].numpy(), 1)).all()
+    lm.close()
+
+
+def test_draftexpert_gguf_computes_the_torch_drafter(disk_dir):
+    """The drafter file (draft expert as extra shared rows, γ folded, zero-padded, top-1) gives the
+    torch runtime's DraftExpert draft-path logits (V2: both keep the target's gate weight)."""
+    folder = checkpoint("v2", disk_dir / "drafter-v2")
+    de = random_draft(folder)
+    de.gamma = {1: 0.7, 2: 1.3}
+    de.gate_up = {k: v[: 2 * 20] for k, v in de.gate_up.items()}  # I_d = 20: padded to one 32-row block
+    de.down = {k: v[:, :20] for k, v in de.down.items()}
+    head, _ = model_files(folder, "f32", de, name="draftexpert")
+    lm = LlamaModel(head, 256, 1, kv_type="f32")
+    torch_model = build_model(folder, "resident")
+    path = draftexpert(torch_model, de)
+    for ids in PROMPTS:
+        lm.reset()
+        got = lm.eval(ids)
+        want = torch_model.forward(torch.tensor(ids), KVCache.for_model(torch_model, len(ids)), path=path)
+        assert np.abs(got - want.numpy()).max() <= 2e-3 * float(want.abs().max())
+    lm.close()
+
+
+CONFIGS = [  # (drafter, r, SpecConfig)
+    ("top-r", 1, SpecConfig(k_max=4, truncate=False, prefetch=False)),
+    ("top-r", 2, SpecConfig(k_max=1, truncate=False, prefetch=False)),
+    ("top-r", 3, SpecConfig(k_max=8, truncate=False, prefetch=True)),
+    ("draftexpert", 1, SpecConfig(k_max=4)),
+    ("draftexpert", 1, SpecConfig(k_max=8, tau=0.9, budget=2)),
+    ("draftexpert", 1, SpecConfig(k_max=3, tau=0.9, budget=2, budget_mode="cache", prefetch=False)),
+]
+
+
+@pytest.mark.parametrize("qtype", ["f32", "q4_0"])
+def test_speculative_equals_llama_cpp_ar(ckpt, qtype):
+    """Greedy: every drafter and controller setting emits exactly llama.cpp's own AR tokens."""
+    head, experts = model_files(ckpt, qtype)
+    de_head, _ = model_files(ckpt, qtype, random_draft(ckpt), name="draftexpert")
+    bias = None
+    if ckpt.name == "v3":
+        from draftexpert.loader import Checkpoint
+
+        c = Checkpoint(ckpt)
+        bias = {i: c.get(f"model.layers.{i}.mlp.gate.e_score_correction_bias").float().numpy() for i in MOE}
+    pages = ExpertPages(experts)
+    target = LlamaModel(head, 256, 1)
+    ar = LlamaARDecoder(target, pages)
+    want = [ar.generate(ids, 24, None).tokens for ids in PROMPTS]
+    alphas = []
+    for method, r, conf in CONFIGS:
+        drafter = LlamaModel(de_head if method == "draftexpert" else head, 256, 1,
+                             used_experts=r if method == "top-r" else None, tap_router_logits=True)
+        spec = LlamaSpeculativeDecoder(target, drafter, pages, conf, top_k=4, bias=bias)
+        for ids, expected in zip(PROMPTS, want):
+            out = spec.generate(ids, 24, None)
+            assert out.tokens == expected, (method, r, conf)
+            alphas.append(out.stats["acceptance"])
+        drafter.close()
+    assert 0.05 < np.mean(alphas) < 0.95, "the drafters must disagree with the target sometimes, or nothing is tested"
+    target.close()
+    pages.close()
+
+
+def test_experts_come_from_storage(disk_dir):
+    """After `evict` no expert page is cached; a step caches the routed experts' pages (and not
+    the whole file); `prefetch` stages an expert without llama.cpp touching it."""
+    import time
+
+    folder = disk_dir / "ds-tiny"  # the committed model: experts of ~14 pages each (Q4_0)
+    shutil.copytree(REPO / "models" / "ds-tiny", folder, ignore=shutil.ignore_patterns("draft_experts", "*.png"))
+    head, experts = model_files(folder, "q4_0")
+    pages = ExpertPages(experts)
+    lm = LlamaModel(head, 256, 1)
+    lm.eval(PROMPTS[0])
+    pages.evict()
+    assert pages.expert_pages(pages.snapshot()) == 0
+    lm.eval([42])
+    snap = pages.snapshot()
+    routed = {(layer, int(e)) for layer, idx in lm.topk.items() for e in idx.ravel()}
+    assert all(pages.resident(snap, layer, e) for layer, e in routed)
+    total_experts = 5 * 64
+    assert pages.expert_pages(snap) < pages.expert_pages(np.ones_like(snap)) * (len(routed) + 4) / total_experts
+    pages.evict()
+    pages.prefetch({(2, 5)})
+    deadline = time.time() + 5
+    while not pages.resident(pages.snapshot(), 2, 5) and time.time() < deadline:
+        time.sleep(0.01)
+    assert pages.resident(pages.snapshot(), 2, 5)
+    lm.close()
+    pages.close()
