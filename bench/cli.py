@@ -474,12 +474,24 @@ def speed_overhead(model: Annotated[str, typer.Option("--model")] = "ds-tiny", m
                    as_json: JsonOpt = False):
     """Resident AR decode with the lean runtime vs transformers' generate (same model, threads, process)."""
     from bench import speed
+    from bench.runner import llama_head_for
 
-    r = speed.overhead(resolve_or_fail(model, model_path), threads, new_tokens, repeats, log=log, compile=compile)
+    folder = resolve_or_fail(model, model_path)
+    head = None
+    try:
+        import llama_cpp  # noqa: F401
+
+        head = llama_head_for(model, folder, "f32", expert_file(model, folder, "f32"), log=log)
+    except ImportError:
+        pass
+    r = speed.overhead(folder, threads, new_tokens, repeats, log=log, compile=compile, llama_head=head)
     r["model"] = model
     emit(r, as_json, f"{model}, {threads} thread(s): transformers {r['transformers_ms_per_token']['median']:.2f} "
          f"ms/token, lean{' compiled' if compile else ''} {r['lean_resident_ms_per_token']['median']:.2f} ms/token → {r['speedup_median']:.2f}x "
-         f"(tokens identical: {r['tokens_identical']})")
+         f"(tokens identical: {r['tokens_identical']})"
+         + (f"; llama.cpp f32 {r['llama_cpp_f32_ms_per_token']['median']:.2f} ms/token (lean/llama.cpp speed "
+            f"{r['lean_vs_llama_cpp_median']:.2f}x, tokens identical: {r['llama_cpp_tokens_identical']})"
+            if "llama_cpp_f32_ms_per_token" in r else ""))
 
 
 @speed_app.command("flash")

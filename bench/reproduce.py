@@ -55,7 +55,8 @@ def fig1b_runs(results_dir: Path, log, per_suite: int = FIG1B_PER_SUITE, tokens:
     return ["results/runs/fig1b-*", "results/fig1b_breakdown.md", *[str(p.relative_to(results_dir.parent)) for p in figs]]
 
 
-def _compare_on_mn(results_dir: Path, log, model: str, per_suite: int, tokens: int, method_set: str) -> dict:
+def _compare_on_mn(results_dir: Path, log, model: str, per_suite: int, tokens: int, method_set: str,
+                   engine: str = "torch") -> dict:
     """One `bench compare` set for a tiny model on mn (Q4_0, K_max = 4, τ = 0.6, B = 24; resumable),
     its per-prompt tokens dropped from the result."""
     import torch
@@ -67,10 +68,11 @@ def _compare_on_mn(results_dir: Path, log, model: str, per_suite: int, tokens: i
 
     torch.set_num_threads(FIG1B_THREADS)
     folder = registry.resolve(model)
-    res = compare(model, folder, "mn", prompts.load(limit=per_suite), results_dir / "runs" / f"compare-{model}-mn",
+    tag = "-llama.cpp" if engine == "llama.cpp" else ""
+    res = compare(model, folder, "mn", prompts.load(limit=per_suite), results_dir / "runs" / f"compare-{model}-mn{tag}",
                   tokens, dict(k_max=4, tau=0.6, budget=24), "q4_0",
                   lambda qt: expert_file_for(model, folder, qt, log=log), collect(results_dir), log=log,
-                  method_set=method_set)
+                  method_set=method_set, engine=engine)
     for row in res["methods"].values():
         row.pop("tokens")
     return res
@@ -93,6 +95,47 @@ def spec_compare(results_dir: Path, log, per_suite: int = FIG1B_PER_SUITE, token
             f"experts: {de}. Tokens equal AR: {res['tokens_equal_ar']}.\n\n" + table(res) + "\n")
         written += [f"results/runs/compare-{model}-mn/*", f"results/spec_compare_{model}_mn.md",
                     f"results/spec_compare_{model}_mn.json"]
+    return written
+
+
+def spec_compare_llama_cpp(results_dir: Path, log, per_suite: int = FIG1B_PER_SUITE,
+                           tokens: int = FIG1B_TOKENS) -> list[str]:
+    """Table 2 / 3 mn rows on the llama.cpp engine (`bench compare --engine llama.cpp`): the same
+    prompts, GGUF expert file and method settings as the torch rows, experts from storage."""
+    from paper_figs.spec_table import table
+
+    written = []
+    for model in ("ds-tiny", "ml-tiny"):
+        res = _compare_on_mn(results_dir, log, model, per_suite, tokens, "table2", engine="llama.cpp")
+        staging = res["methods"]["ar"]["method_args"]["staging"]
+        write_json_atomic(results_dir / f"spec_compare_{model}_mn_llama.cpp.json", res)
+        (results_dir / f"spec_compare_{model}_mn_llama.cpp.md").write_text(
+            f"{model} on mn through llama.cpp (Q4_0 GGUF, experts staged from storage: {staging}), {per_suite} prompts "
+            f"per suite, {tokens} new tokens, greedy, K_max = 4, τ = 0.6, B = 24, {FIG1B_THREADS} thread. Stall time "
+            f"inside llama.cpp's page faults is not observable: loading share is NaN. Tokens equal llama.cpp's AR: "
+            f"{res['tokens_equal_ar']}.\n\n" + table(res) + "\n")
+        written += [f"results/runs/compare-{model}-mn-llama.cpp/*", f"results/spec_compare_{model}_mn_llama.cpp.md",
+                    f"results/spec_compare_{model}_mn_llama.cpp.json"]
+    return written
+
+
+def crosscheck(results_dir: Path, log, per_suite: int | None = None, tokens: int = 32) -> list[str]:
+    """llama.cpp (f32) vs the torch engine on every prompt of the suites: tokens and expert sets."""
+    import torch
+
+    from bench import prompts, registry
+    from bench.crosscheck import crosscheck as run
+    from bench.runner import expert_file_for, llama_head_for
+
+    torch.set_num_threads(FIG1B_THREADS)
+    written = []
+    for model in ("ds-tiny", "ml-tiny"):
+        folder = registry.resolve(model)
+        head = llama_head_for(model, folder, "f32", expert_file_for(model, folder, "f32", log=log), log=log)
+        res = run(folder, prompts.load(limit=per_suite), head, tokens, FIG1B_THREADS, log=log)
+        res.update(model=model, type="f32", max_new_tokens=tokens)
+        write_json_atomic(results_dir / f"crosscheck_{model}.json", res)
+        written.append(f"results/crosscheck_{model}.json")
     return written
 
 
@@ -193,6 +236,17 @@ def reproduce(results_dir: Path, log=lambda m: print(m, file=sys.stderr), per_su
         done += fig1b_runs(results_dir, log, per_suite, tokens)
         log("Tables 2/3 (mn rows): AR vs shared+top-r vs DraftExpert, ds-tiny and ml-tiny")
         done += spec_compare(results_dir, log, per_suite, tokens)
+        from draftexpert.llamacpp import LlamaCppError, require_llama_cpp
+
+        try:
+            require_llama_cpp()
+        except LlamaCppError as e:
+            log(f"llama.cpp rows and cross-check skipped: {e}")
+        else:
+            log("Tables 2/3 (mn rows) on llama.cpp, ds-tiny and ml-tiny")
+            done += spec_compare_llama_cpp(results_dir, log, per_suite, tokens)
+            log("Cross-check llama.cpp f32 vs the torch engine on every prompt, ds-tiny and ml-tiny")
+            done += crosscheck(results_dir, log, None if per_suite >= FIG1B_PER_SUITE else per_suite, min(tokens, 32))
         log("Fig. 3: draft-side unique experts vs draft length, ds-tiny and ml-tiny on mn")
         done += fig3(results_dir, log, per_suite, tokens)
         log("Table 4: fixed K vs truncation vs + prefetch (DraftExpert), ds-tiny and ml-tiny on mn")

@@ -3,7 +3,9 @@
 - overhead: resident AR decoding with the lean runtime (eager, or `--compile`: the one-token step's
   dense parts through torch.compile) vs transformers' `generate` on the same checkpoint, same
   threads, same prompt, same process, interleaved repeats; ms per new token over prefill + decode
-  (the first round, which compiles, is not counted). Tokens must match.
+  (the first round, which compiles, is not counted). Tokens must match. Where llama.cpp is
+  installed, its f32 decoding of the same checkpoint (experts resident, f32 KV cache) joins the
+  interleaved rounds: `lean_vs_llama_cpp_median` = llama.cpp ms / lean ms.
 - flash: one MoE layer's top-k experts through the flash store (cold: nothing cached), against
   the O_DIRECT read bandwidth `bench env` measures for the same total size on the same disk:
   efficiency = (bytes / load seconds) / O_DIRECT GB/s. Reported for the reads alone and for the
@@ -24,8 +26,18 @@ def _stats(xs: list[float]) -> dict:
     return {"min": min(xs), "median": statistics.median(xs), "max": max(xs), "n": len(xs)}
 
 
+def _llama_generate(lm, ids: list[int], n: int) -> tuple[list[int], float]:
+    """Greedy decoding on llama.cpp, experts resident (never evicted): (tokens, seconds)."""
+    lm.reset()
+    t0 = time.perf_counter()
+    tokens = [int(lm.eval(ids)[-1].argmax())]
+    while len(tokens) < n:
+        tokens.append(int(lm.eval(tokens[-1:])[-1].argmax()))
+    return tokens, time.perf_counter() - t0
+
+
 def overhead(folder: Path, threads: int, new_tokens: int = 64, repeats: int = 3, prompt_len: int = 16, log=print,
-             compile: bool = False) -> dict:
+             compile: bool = False, llama_head: Path | None = None) -> dict:
     from transformers import AutoModelForCausalLM
 
     from baselines.ar import AROffloadDecoder
@@ -39,7 +51,12 @@ def overhead(folder: Path, threads: int, new_tokens: int = 64, repeats: int = 3,
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, hf.config.vocab_size, (1, prompt_len), generator=g)
     dec = AROffloadDecoder(lean)
-    hf_ms, lean_ms, same = [], [], True
+    lm = None
+    if llama_head is not None:
+        from draftexpert.llamacpp import LlamaModel
+
+        lm = LlamaModel(llama_head, 512, threads, kv_type="f32")
+    hf_ms, lean_ms, llama_ms, same, same_llama = [], [], [], True, True
     for rep in range(repeats + 1):  # the first round warms both up and is not counted
         t0 = time.perf_counter()
         with torch.inference_mode():
@@ -48,19 +65,27 @@ def overhead(folder: Path, threads: int, new_tokens: int = 64, repeats: int = 3,
         o = dec.generate(ids[0].tolist(), new_tokens)
         t_lean = o.prefill_s + o.decode_s
         same &= out[0, prompt_len:].tolist() == o.tokens
+        if lm is not None:
+            l_tokens, t_llama = _llama_generate(lm, ids[0].tolist(), new_tokens)
+            same_llama &= l_tokens == o.tokens
         if rep:
             hf_ms.append(1000 * t_hf / new_tokens)
             lean_ms.append(1000 * t_lean / new_tokens)
-            log(f"round {rep}: transformers {hf_ms[-1]:.2f} ms/token, lean {lean_ms[-1]:.2f} ms/token")
+            if lm is not None:
+                llama_ms.append(1000 * t_llama / new_tokens)
+            log(f"round {rep}: transformers {hf_ms[-1]:.2f} ms/token, lean {lean_ms[-1]:.2f} ms/token"
+                + (f", llama.cpp f32 {llama_ms[-1]:.2f} ms/token" if llama_ms else ""))
     res = {"threads": threads, "new_tokens": new_tokens, "prompt_len": prompt_len, "compiled": compile,
            "transformers_ms_per_token": _stats(hf_ms), "lean_resident_ms_per_token": _stats(lean_ms),
            "speedup_median": statistics.median(hf_ms) / statistics.median(lean_ms), "tokens_identical": same,
            "note": "ms/token over prefill + decode of new_tokens tokens (both sides timed the same way)"}
-    try:
-        import llama_cpp  # noqa: F401
-        res["llama_cpp"] = "installed: compare with `bench crosscheck` once the llama.cpp engine lands"
-    except ImportError:
-        res["llama_cpp"] = "not installed (pip install -e '.[llamacpp]')"
+    if lm is not None:
+        lm.close()
+        res["llama_cpp_f32_ms_per_token"] = _stats(llama_ms)
+        res["lean_vs_llama_cpp_median"] = statistics.median(llama_ms) / statistics.median(lean_ms)  # < 1: slower
+        res["llama_cpp_tokens_identical"] = same_llama
+    else:
+        res["llama_cpp"] = "not installed (the llamacpp extra; see README)"
     return res
 
 

@@ -142,7 +142,7 @@ class ExpertFile:
             missing = [p for p in PARTS if (layer, p) not in self.slices]
             if missing:
                 raise ExpertFileError(f"{self.path}: layer {layer} lacks ffn_{'/'.join(missing)}_exps")
-        self.fd = self._open()
+        self.fd = self._open() if staging_buffers else -1  # 0 buffers: an index only (no O_DIRECT reads)
         self.staging: queue.SimpleQueue = queue.SimpleQueue()  # page-aligned buffers, one per read in flight
         size = self._staging_size()
         for _ in range(staging_buffers):

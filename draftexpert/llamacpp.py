@@ -203,7 +203,6 @@ class ExpertPages:
 
     def __init__(self, expert_file: Path):
         index = ExpertFile(expert_file, staging_buffers=0)
-        index.close()
         self.path = Path(expert_file).resolve()
         self.slices = index.slices
         self.layers = index.layers

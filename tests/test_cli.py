@@ -42,6 +42,11 @@ def test_reproduce_writes_fig1a_and_lists_pending(tmp_path):
         assert set(t4["methods"]) == {"ar", "fixed-k", "conf-exp", "conf-exp-prefetch"}
         assert all(t4["tokens_equal_ar"].values()) and t4["methods"]["fixed-k"]["verify_cost_x_ar"] > 0
         assert t4["methods"]["conf-exp-prefetch"]["prefetch_hit_rate"] is not None
+        lc = json.loads((tmp_path / f"spec_compare_{model}_mn_llama.cpp.json").read_text())
+        assert lc["engine"] == "llama.cpp" and set(lc["methods"]) == set(spec["methods"])
+        assert all(lc["tokens_equal_ar"].values())
+        cc = json.loads((tmp_path / f"crosscheck_{model}.json").read_text())
+        assert cc["prompts"] == 6 and cc["token_mismatches"] == 0 and cc["layer_positions"] > 0
     corpus = (REPO / "work" / "corpus" / "val.jsonl").exists()  # Table 5's held-out text (`bench data corpus`)
     for model in ("ds-tiny", "ml-tiny"):
         if corpus:

@@ -190,3 +190,28 @@ def test_experts_come_from_storage(disk_dir):
     assert pages.resident(pages.snapshot(), 2, 5)
     lm.close()
     pages.close()
+
+
+def test_cli_runs_the_engine_and_names_bad_flags(tmp_path):
+    """`bench run --engine llama.cpp` end to end (records say which engine and staging), equal to
+    its own AR; a platform the engine does not run is named."""
+    import json
+
+    from tests.conftest import run_bench
+
+    env = {"DRAFTEXPERT_CACHE": str(REPO / "work" / "pytest-llamacpp-cache")}
+    common = ["--engine", "llama.cpp", "--model", "ds-tiny", "--platform", "mn", "--suite", "chat", "--limit", "2",
+              "--max-new-tokens", "12", "--json", "--threads", "1"]
+    runs = {}
+    for method in ("ar", "draftexpert"):
+        p = run_bench("run", "--method", method, *common, "--out", str(tmp_path / method), env=env)
+        assert p.returncode == 0, p.stderr
+        runs[method] = json.loads(p.stdout)["records"]
+    assert [r["tokens"] for r in runs["ar"]] == [r["tokens"] for r in runs["draftexpert"]]
+    rec = runs["draftexpert"][0]
+    assert rec["engine"] == "llama.cpp" and "fadvise" in rec["method_args"]["staging"]
+    assert rec["method_args"]["draft_experts"]["preset"] == "full" and rec["drafted"] > 0
+    p = run_bench("run", "--engine", "llama.cpp", "--platform", "cg", "--model", "ds-tiny", "--limit", "1", env=env)
+    assert p.returncode == 2 and "--platform" in p.stderr and "llama.cpp" in p.stderr
+    p = run_bench("crosscheck", "--model", "ds-tiny", "--type", "q4_0", env=env)
+    assert p.returncode == 2 and "--type" in p.stderr
