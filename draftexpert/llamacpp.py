@@ -94,6 +94,7 @@ class LlamaModel:
                  tap_router_logits: bool = False, kv_type: str = "f16"):
         llama_cpp = require_llama_cpp()
         self.topk: dict[int, np.ndarray] = {}
+        self._parts: dict[tuple[str, int], list[np.ndarray]] = {}
         self.router_logits: dict[int, np.ndarray] = {}
         self._taps = ("ffn_moe_topk-",) + (("ffn_moe_logits-",) if tap_router_logits else ())
         self._ggml = _ggml_lib(llama_cpp)
@@ -119,7 +120,7 @@ class LlamaModel:
         self._ggml.ggml_backend_tensor_get(tensor, raw.ctypes.data, 0, raw.nbytes)
         dtype = np.int32 if kind == "ffn_moe_topk" else np.float32
         out = np.lib.stride_tricks.as_strided(raw.view(dtype), (rows, cols), (int(t.nb[1]), int(t.nb[0]))).copy()
-        (self.topk if kind == "ffn_moe_topk" else self.router_logits)[int(layer)] = out
+        self._parts.setdefault((kind, int(layer)), []).append(out)  # one part per ubatch (a long prompt has several)
         return True
 
     @property
@@ -128,10 +129,11 @@ class LlamaModel:
 
     def eval(self, tokens: list[int]) -> np.ndarray:
         """Append `tokens` at the current position; logits [len(tokens), V] for them."""
-        self.topk.clear()
-        self.router_logits.clear()
+        self._parts = {}
         n0 = self.llm.n_tokens
         self.llm.eval(tokens)
+        self.topk = {l: np.concatenate(p) for (kind, l), p in self._parts.items() if kind == "ffn_moe_topk"}
+        self.router_logits = {l: np.concatenate(p) for (kind, l), p in self._parts.items() if kind == "ffn_moe_logits"}
         return self.llm.scores[n0:n0 + len(tokens)]
 
     def rollback(self, n: int) -> None:

@@ -88,11 +88,12 @@ def test_build_is_batch_invariant():
 
 def test_llama_cpp_computes_the_torch_runtime(ckpt):
     """Same checkpoint at f32 (f16 weights are another model: a routing flip moves whole logits):
-    logits at every prompt position agree, and so do the routed expert sets."""
+    logits at every prompt position agree, and so do the routed expert sets (a 600-token prompt
+    spans two of llama.cpp's 512-token ubatches: the taps must gather both)."""
     head, _ = model_files(ckpt, "f32")
-    lm = LlamaModel(head, 256, 1, kv_type="f32")
+    lm = LlamaModel(head, 1024, 1, kv_type="f32")
     torch_model = build_model(ckpt, "resident")
-    for ids in PROMPTS:
+    for ids in PROMPTS + [[0] + [(7 * i) % 4000 + 3 for i in range(599)]]:
         lm.reset()
         got = lm.eval(ids)
         want = torch_model.forward(torch.tensor(ids), KVCache.for_model(torch_model, len(ids)))
