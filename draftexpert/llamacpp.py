@@ -94,8 +94,8 @@ class LlamaModel:
                  tap_router_logits: bool = False, kv_type: str = "f16"):
         llama_cpp = require_llama_cpp()
         self.topk: dict[int, np.ndarray] = {}
-        self._parts: dict[tuple[str, int], list[np.ndarray]] = {}
         self.router_logits: dict[int, np.ndarray] = {}
+        self._parts: dict[tuple[str, int], list[np.ndarray]] = {}  # (tap, layer) → one array per ubatch
         self._taps = ("ffn_moe_topk-",) + (("ffn_moe_logits-",) if tap_router_logits else ())
         self._ggml = _ggml_lib(llama_cpp)
         self._callback = _EVAL_CALLBACK(self._on_tensor)  # kept referenced: llama.cpp holds the pointer
@@ -207,8 +207,7 @@ class ExpertPages:
         index = ExpertFile(expert_file, staging_buffers=0)
         self.path = Path(expert_file).resolve()
         self.slices = index.slices
-        self.layers = index.layers
-        self.nbytes = {layer: index.expert_nbytes(layer) for layer in self.layers}
+        self.nbytes = {layer: index.expert_nbytes(layer) for layer in index.layers}
         starts = [s.offset for s in self.slices.values()]
         self.lo = min(starts) // PAGE * PAGE
         self.hi = max(s.offset + s.nbytes * s.n_experts for s in self.slices.values())

@@ -3,6 +3,7 @@ import json
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 from bench.results import read_records
 from tests.conftest import BENCH, REPO, run_bench
@@ -126,18 +127,29 @@ def test_bad_method_and_suite_name_the_flag(tiny_checkpoint):
 
 
 def test_convert_writes_a_readable_expert_file_once(tiny_checkpoint, tmp_path):
+    """The expert file (flash store) and the llama.cpp head over it (split 1; split 2 links the
+    expert file), written once and reused."""
+    import gguf
+
     from draftexpert.gguf_experts import ExpertFile
 
     p = run_bench("convert", "--model", "ds-tiny", "--model-path", str(tiny_checkpoint), "--type", "bf16", "--json",
                   env=_env(tmp_path))
     assert p.returncode == 0, p.stderr
-    path = json.loads(p.stdout)["path"]
+    out = json.loads(p.stdout)
+    path = out["experts"]
     f = ExpertFile(path)
     assert f.layers == [1] and f.slices[(1, "gate")].qtype == "bf16"
     f.close()
+    head = Path(out["target"])
+    assert head.name.endswith("-00001-of-00002.gguf")
+    assert Path(str(head).replace("-00001-of-", "-00002-of-")).resolve() == Path(path).resolve()
+    names = {t.name for t in gguf.GGUFReader(str(head)).tensors}
+    assert "blk.1.attn_k_b.weight" in names and "blk.1.ffn_gate_shexp.weight" in names
+    assert not any("_exps" in n for n in names)  # the routed experts live in split 2 only
     again = run_bench("convert", "--model", "ds-tiny", "--model-path", str(tiny_checkpoint), "--type", "bf16", "--json",
                       env=_env(tmp_path))
-    assert json.loads(again.stdout)["path"] == path and "writing" not in again.stderr  # reused
+    assert json.loads(again.stdout)["experts"] == path and "writing" not in again.stderr  # reused
     bad = run_bench("convert", "--model-path", str(tiny_checkpoint), "--type", "q8_0")
     assert bad.returncode == 2 and "--type" in bad.stderr
     # this checkpoint's moe_intermediate (16) cannot be Q4_0: said plainly, no traceback
