@@ -93,24 +93,42 @@ def test_unsupported_routing_is_refused():
         ModelConfig.from_hf(DeepseekV2Config(**COMMON, topk_method="group_limited_greedy"))
 
 
+def _host_model(hf):
+    """The lean model over a HostStore: the compiled step keeps the store round trip (split graphs)."""
+    from draftexpert.experts import HostStore
+    from draftexpert.model import MoEModel
+
+    sd = {k: v.detach() for k, v in hf.state_dict().items()}
+    moe = [i for i in range(hf.config.num_hidden_layers) if f"model.layers.{i}.mlp.experts.gate_up_proj" in sd]
+    return MoEModel(hf.config, sd, HostStore({i: sd[f"model.layers.{i}.mlp.experts.gate_up_proj"] for i in moe},
+                                             {i: sd[f"model.layers.{i}.mlp.experts.down_proj"] for i in moe}))
+
+
+@pytest.mark.parametrize("store", ["resident", "host"])
 @pytest.mark.parametrize("case", ["v2-yarn-qlora", "v3-bias"])
-def test_compiled_decode_step_matches_eager(case):
-    """compile_decode(): the one-token step through torch.compile gives the eager step's logits
-    (1e-4) and greedy tokens, also on a draft path and after a crop (speculation's pattern)."""
-    from draftexpert.drafters import top_r
+def test_compiled_decode_step_matches_eager(case, store):
+    """compile_decode(): the one-token step through torch.compile (resident: one fused graph; host:
+    graphs around the store's fetch) gives the eager step's logits (1e-4), experts and greedy
+    tokens, also on draft paths (top-2, DraftExpert) and after a crop (speculation's pattern)."""
+    from draftexpert.drafters import DraftExperts, draftexpert, top_r
 
     torch.manual_seed(0)
     hf = CASES[case]().eval()
-    eager, compiled = from_hf_model(hf), from_hf_model(hf).compile_decode()
+    make = from_hf_model if store == "resident" else _host_model
+    eager, compiled = make(hf), make(hf).compile_decode()
+    assert ("step" in compiled._compiled) == (store == "resident")
+    moe = [i for i in range(eager.cfg.layers) if eager.cfg.is_moe(i)]
+    de = DraftExperts.random(moe, eager.cfg.hidden, 24, seed=3, std=0.1)
+    paths = {2: top_r(2, eager.cfg.top_k), 5: draftexpert(eager, de)}
+    compiled_paths = {2: paths[2], 5: draftexpert(compiled, de)}
     ids = torch.randint(0, 300, (9,), generator=torch.Generator().manual_seed(4))
     ce, cc = KVCache.for_model(eager, 40), KVCache.for_model(compiled, 40)
     assert cc.max_len == 256  # rounded up: few distinct shapes for the compiled step
     eager.forward(ids, ce), compiled.forward(ids, cc)
     tok = int(ids[-1])
     for step in range(12):
-        path = top_r(2, eager.cfg.top_k) if step % 3 == 2 else None
-        le = eager.forward(torch.tensor([tok]), ce, path=path)
-        lc = compiled.forward(torch.tensor([tok]), cc, path=path)
+        le = eager.forward(torch.tensor([tok]), ce, path=paths.get(step % 6))
+        lc = compiled.forward(torch.tensor([tok]), cc, path=compiled_paths.get(step % 6))
         assert (le - lc).abs().max() < 1e-4
         assert eager.last_fetched == compiled.last_fetched
         if step == 6:
