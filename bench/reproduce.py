@@ -78,44 +78,29 @@ def _compare_on_mn(results_dir: Path, log, model: str, per_suite: int, tokens: i
     return res
 
 
-def spec_compare(results_dir: Path, log, per_suite: int = FIG1B_PER_SUITE, tokens: int = FIG1B_TOKENS) -> list[str]:
-    """Table 2 / 3 on mn: AR vs top-1/2/3 vs DraftExpert for each tiny model, Q4_0 (resumable)."""
+def spec_compare(results_dir: Path, log, per_suite: int = FIG1B_PER_SUITE, tokens: int = FIG1B_TOKENS,
+                 engine: str = "torch") -> list[str]:
+    """Table 2 / 3 on mn: AR vs top-1/2/3 vs DraftExpert for each tiny model, Q4_0 (resumable), on
+    the torch engine or llama.cpp (the same prompts, expert file and method settings)."""
     from paper_figs.spec_table import table
 
     written = []
+    tag = "_llama.cpp" if engine == "llama.cpp" else ""
     for model in ("ds-tiny", "ml-tiny"):
-        res = _compare_on_mn(results_dir, log, model, per_suite, tokens, "table2")
+        res = _compare_on_mn(results_dir, log, model, per_suite, tokens, "table2", engine=engine)
         de = res["methods"]["draftexpert"]["method_args"]["draft_experts"]
         de = ("untrained (zero: shared + top-1)" if de["preset"] == "zero"
               else f"distilled, preset {de['preset']} ({de['file']})")
-        write_json_atomic(results_dir / f"spec_compare_{model}_mn.json", res)
-        (results_dir / f"spec_compare_{model}_mn.md").write_text(
-            f"{model} on mn (Q4_0 experts from flash, cold), {per_suite} prompts per suite, "
+        where = "(Q4_0 experts from flash, cold)" if engine == "torch" else (
+            f"through llama.cpp (Q4_0 GGUF, experts staged from storage: {res['methods']['ar']['method_args']['staging']}; "
+            "stall inside llama.cpp's page faults is not observable, so the loading share is NaN)")
+        write_json_atomic(results_dir / f"spec_compare_{model}_mn{tag}.json", res)
+        (results_dir / f"spec_compare_{model}_mn{tag}.md").write_text(
+            f"{model} on mn {where}, {per_suite} prompts per suite, "
             f"{tokens} new tokens, greedy, K_max = 4, τ = 0.6, B = 24, {FIG1B_THREADS} thread; DraftExpert's draft "
             f"experts: {de}. Tokens equal AR: {res['tokens_equal_ar']}.\n\n" + table(res) + "\n")
-        written += [f"results/runs/compare-{model}-mn/*", f"results/spec_compare_{model}_mn.md",
-                    f"results/spec_compare_{model}_mn.json"]
-    return written
-
-
-def spec_compare_llama_cpp(results_dir: Path, log, per_suite: int = FIG1B_PER_SUITE,
-                           tokens: int = FIG1B_TOKENS) -> list[str]:
-    """Table 2 / 3 mn rows on the llama.cpp engine (`bench compare --engine llama.cpp`): the same
-    prompts, GGUF expert file and method settings as the torch rows, experts from storage."""
-    from paper_figs.spec_table import table
-
-    written = []
-    for model in ("ds-tiny", "ml-tiny"):
-        res = _compare_on_mn(results_dir, log, model, per_suite, tokens, "table2", engine="llama.cpp")
-        staging = res["methods"]["ar"]["method_args"]["staging"]
-        write_json_atomic(results_dir / f"spec_compare_{model}_mn_llama.cpp.json", res)
-        (results_dir / f"spec_compare_{model}_mn_llama.cpp.md").write_text(
-            f"{model} on mn through llama.cpp (Q4_0 GGUF, experts staged from storage: {staging}), {per_suite} prompts "
-            f"per suite, {tokens} new tokens, greedy, K_max = 4, τ = 0.6, B = 24, {FIG1B_THREADS} thread. Stall time "
-            f"inside llama.cpp's page faults is not observable: loading share is NaN. Tokens equal llama.cpp's AR: "
-            f"{res['tokens_equal_ar']}.\n\n" + table(res) + "\n")
-        written += [f"results/runs/compare-{model}-mn-llama.cpp/*", f"results/spec_compare_{model}_mn_llama.cpp.md",
-                    f"results/spec_compare_{model}_mn_llama.cpp.json"]
+        written += [f"results/runs/compare-{model}-mn{tag.replace('_', '-')}/*", f"results/spec_compare_{model}_mn{tag}.md",
+                    f"results/spec_compare_{model}_mn{tag}.json"]
     return written
 
 
@@ -248,7 +233,7 @@ def reproduce(results_dir: Path, log=lambda m: print(m, file=sys.stderr), per_su
             log(f"llama.cpp rows and cross-check skipped: {e}")
         else:
             log("Tables 2/3 (mn rows) on llama.cpp, ds-tiny and ml-tiny")
-            done += spec_compare_llama_cpp(results_dir, log, per_suite, tokens)
+            done += spec_compare(results_dir, log, per_suite, tokens, engine="llama.cpp")
             log("Table 4 on llama.cpp: fixed K vs truncation vs + prefetch (DraftExpert), ds-tiny and ml-tiny")
             done += table4(results_dir, log, per_suite, tokens, engine="llama.cpp")
             log("Cross-check llama.cpp f32 vs the torch engine on every prompt, ds-tiny and ml-tiny")

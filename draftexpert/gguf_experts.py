@@ -75,6 +75,11 @@ def write_expert_gguf(path: Path, experts, meta: dict, qtype: str = "q4_0") -> P
                 w.add_tensor(name, arr.astype(np.float16))
             else:
                 w.add_tensor(name, gguf.quants.quantize(arr, qt), raw_dtype=qt)
+    return finish_atomic(w, tmp, path)
+
+
+def finish_atomic(w, tmp: Path, path: Path) -> Path:
+    """Write a GGUFWriter's file to `tmp`, then move it to `path` in one step."""
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from draftexpert.gguf_experts import ARCH, TYPES, _qtype
+from draftexpert.gguf_experts import ARCH, TYPES, _qtype, finish_atomic
 
 N_SPLITS = 2
 
@@ -204,12 +204,7 @@ def write_head(folder: Path, path: Path, qtype: str, draft=None) -> Path:
     for name, arr, keep in tensors:
         data, raw = _encode(arr, qtype, keep)
         w.add_tensor(name, data, raw_dtype=raw) if raw is not None else w.add_tensor(name, data)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    os.replace(tmp, path)
-    return path
+    return finish_atomic(w, tmp, path)
 
 
 def link_experts(prefix: Path, expert_file: Path) -> Path:
