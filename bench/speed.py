@@ -6,6 +6,8 @@
   (the first round, which compiles, is not counted). Tokens must match. Where llama.cpp is
   installed, its f32 decoding of the same checkpoint (experts resident, f32 KV cache) joins the
   interleaved rounds: `lean_vs_llama_cpp_median` = llama.cpp ms / lean ms.
+- host: one MoE layer's top-k experts through the host store (platform cg) against one copy of as
+  many bytes from pinned memory — the accelerator's copy bandwidth; efficiency = the ratio.
 - flash: one MoE layer's top-k experts through the flash store (cold: nothing cached), against
   the O_DIRECT read bandwidth `bench env` measures for the same total size on the same disk:
   efficiency = (bytes / load seconds) / O_DIRECT GB/s. Reported for the reads alone and for the
@@ -87,6 +89,46 @@ def overhead(folder: Path, threads: int, new_tokens: int = 64, repeats: int = 3,
     else:
         res["llama_cpp"] = "not installed (the llamacpp extra; see README)"
     return res
+
+
+def host(folder: Path, repeats: int = 20, layer: int | None = None, log=print) -> dict:
+    """Platform cg: one MoE layer's top-k experts through the host store (pinned host pool → the
+    accelerator on the copy stream; on a CPU-only machine the CPU is the accelerator and the copy a
+    memcpy) against one copy of the same number of bytes from a pinned buffer, the accelerator's
+    measured copy bandwidth: efficiency = (bytes / load seconds) / copy GB/s."""
+    from draftexpert.loader import build_model
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    model = build_model(folder, "host", device=str(device))
+    store, cfg = model.experts, model.cfg
+    moe = [i for i in range(cfg.layers) if cfg.is_moe(i)]
+    layer = layer if layer is not None else moe[len(moe) // 2]
+    total = sum(store.expert_bytes((layer, e)) for e in range(cfg.top_k))
+    src = torch.empty(total, dtype=torch.uint8)
+    src = src.pin_memory() if cuda else src
+    dst = torch.empty(total, dtype=torch.uint8, device=device)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    rng = random.Random(0)
+    copy_s, load_s = [], []
+    for _ in range(repeats + 1):  # the first round warms up and is not counted
+        sync()
+        t0 = time.perf_counter()
+        dst.copy_(src, non_blocking=True)
+        sync()
+        t1 = time.perf_counter()
+        store.fetch(layer, rng.sample(range(cfg.n_experts), cfg.top_k))  # waits for its copies
+        sync()
+        t2 = time.perf_counter()
+        copy_s.append(t1 - t0)
+        load_s.append(t2 - t1)
+    store.close()
+    copy_s, load_s = copy_s[1:], load_s[1:]
+    med_copy, med_load = statistics.median(copy_s), statistics.median(load_s)
+    return {"device": torch.cuda.get_device_name() if cuda else "cpu (the CPU as the accelerator)", "layer": layer,
+            "experts": cfg.top_k, "bytes": total, "copy_ms": _stats([1000 * s for s in copy_s]),
+            "load_ms": _stats([1000 * s for s in load_s]), "copy_gb_per_s": total / med_copy / 1e9,
+            "load_gb_per_s": total / med_load / 1e9, "efficiency": med_copy / med_load}
 
 
 def flash(folder: Path, gguf: Path, repeats: int = 20, layer: int | None = None, log=print) -> dict:

@@ -57,3 +57,12 @@ def test_reproduce_writes_fig1a_and_lists_pending(tmp_path):
     assert (tmp_path / "figures" / "fig1a_params.png").stat().st_size > 1000
     assert "| ds | 15.7B | 14.4B | 91.6% | 26.8 GiB | 2.44 GiB |" in (tmp_path / "fig1a_params.md").read_text()
     assert s["pending"]
+
+
+def test_speed_host_measures_loads_against_a_copy():
+    """The cg load benchmark runs anywhere (the CPU as the accelerator here; `make gpu-check` on a GPU)."""
+    p = run_bench("speed", "host", "--model", "ds-tiny", "--repeats", "3", "--json")
+    assert p.returncode == 0, p.stderr
+    r = json.loads(p.stdout)
+    assert r["experts"] == 6 and r["bytes"] == 6 * 3 * 128 * 256 * 4  # fp32 gate, up, down
+    assert r["load_ms"]["n"] == 3 and r["efficiency"] > 0 and r["copy_gb_per_s"] > 0

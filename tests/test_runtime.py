@@ -1,5 +1,6 @@
 """Expert-offload runtime: every store and the streaming loader give the transformers model's
 logits (1e-4, fp32) and greedy tokens; the ledger counts loads; bad files give clear errors."""
+import os
 import shutil
 from pathlib import Path
 
@@ -67,13 +68,17 @@ def reference(checkpoint):
     return out
 
 
+# `make gpu-check` sets cuda: the same exactness on the GPU (the cg path: pinned pool, copy stream, events).
+DEVICE = os.environ.get("DRAFTEXPERT_TEST_DEVICE", "cpu")
+
+
 @pytest.mark.parametrize("store", ["resident", "host", "flash"])
 def test_every_store_matches_transformers(checkpoint, reference, store):
     """10 prompts: prompt logits within 1e-4, and identical 64-token greedy continuations."""
     hf, folder, gguf = checkpoint
-    lean = build_model(folder, store, gguf_path=gguf)
+    lean = build_model(folder, store, device=DEVICE, gguf_path=gguf)
     for ids, (ref_logits, want) in zip(PROMPTS, reference):
-        assert (lean.forward(ids, KVCache(lean.cfg, 128)) - ref_logits).abs().max() < 1e-4
+        assert (lean.forward(ids, KVCache.for_model(lean, 128)).cpu() - ref_logits).abs().max() < 1e-4
         out = AROffloadDecoder(lean).generate(ids.tolist(), 64, hf.generation_config.eos_token_id)
         assert out.tokens == want
     lean.experts.close()
