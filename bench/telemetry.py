@@ -153,6 +153,10 @@ def versions() -> dict:
         out["torch_threads"] = torch.get_num_threads()
     except ImportError:
         pass
+    if out["llama_cpp"]:  # the build flags exactness depends on (README: the llama.cpp engine)
+        from draftexpert.llamacpp import build_info
+
+        out["llama_cpp_build"] = build_info()
     return out
 
 
