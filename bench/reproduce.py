@@ -15,7 +15,6 @@ from bench.results import write_json_atomic
 # What the paper has that this checkout cannot regenerate yet, and which capability brings it.
 PENDING = [
     ("Table 2 cg rows", "a GPU (platform cg); on CPU, `bench compare --platform cg` runs with the CPU as the accelerator"),
-    ("Fig. 4 / Fig. 5 verify cost and unique experts vs block length", "a verify-block sweep over the runtime"),
 ]
 
 
@@ -163,6 +162,41 @@ def fig3(results_dir: Path, log, per_suite: int = FIG1B_PER_SUITE, tokens: int =
     return written
 
 
+SWEEP_LENGTHS = list(range(1, 9))
+SWEEP_STARTS = [0, 8, 16]
+
+
+def fig45(results_dir: Path, log, per_suite: int = FIG1B_PER_SUITE) -> list[str]:
+    """Figs. 4–5 on mn (Q4_0, cold, torch engine): verify cost and unique experts vs block length."""
+    import torch
+
+    from bench import prompts, registry
+    from bench.runner import expert_file_for, render_prompt
+    from bench.sweep import verify_sweep
+    from draftexpert.loader import build_model
+    from paper_figs import fig45 as render
+    from transformers import AutoTokenizer
+
+    torch.set_num_threads(FIG1B_THREADS)
+    per_model = {}
+    for model in ("ds-tiny", "ml-tiny"):
+        folder = registry.resolve(model)
+        tok = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        target = build_model(folder, "flash", gguf_path=expert_file_for(model, folder, "q4_0", log=log))
+        ids = [render_prompt(tok, p["prompt"]) for p in prompts.load(limit=per_suite)]
+        rows = verify_sweep(target, ids, SWEEP_LENGTHS, SWEEP_STARTS, log=log)
+        target.experts.close()
+        per_model[model] = c = render.curves(rows)
+        write_json_atomic(results_dir / f"fig45_{model}_mn.json", {"model": model, "rows": rows, "curves": c})
+        (results_dir / f"fig45_{model}_mn.md").write_text(
+            f"{model} on mn (Q4_0 experts from flash, cold store before each forward, torch engine), {len(ids)} prompts, "
+            f"blocks of the target's own greedy continuation at starts {SWEEP_STARTS}, {FIG1B_THREADS} thread.\n\n"
+            + render.table(c))
+    figs = render.figure(per_model, results_dir / "figures" / "fig45_verify_block")
+    return [*(f"results/fig45_{m}_mn.{ext}" for m in per_model for ext in ("md", "json")),
+            *[str(p.relative_to(results_dir.parent)) for p in figs]]
+
+
 def table5(results_dir: Path, log, per_suite: int, tokens: int) -> list[str]:
     """Table 5 from the committed draft-expert checkpoints of each tiny model (`bench distill-eval`);
     `bench distill --model <m> --preset <p>` retrains any of them."""
@@ -240,6 +274,8 @@ def reproduce(results_dir: Path, log=lambda m: print(m, file=sys.stderr), per_su
             done += crosscheck(results_dir, log, None if per_suite >= FIG1B_PER_SUITE else per_suite, min(tokens, 32))
         log("Fig. 3: draft-side unique experts vs draft length, ds-tiny and ml-tiny on mn")
         done += fig3(results_dir, log, per_suite, tokens)
+        log("Figs. 4-5: verify cost and unique experts vs block length, ds-tiny and ml-tiny on mn")
+        done += fig45(results_dir, log, per_suite)
         log("Table 4: fixed K vs truncation vs + prefetch (DraftExpert), ds-tiny and ml-tiny on mn")
         done += table4(results_dir, log, per_suite, tokens)
         log("Table 5: draft-expert ablation (bench distill-eval) for the tiny models")

@@ -45,6 +45,9 @@ def test_reproduce_writes_fig1a_and_lists_pending(tmp_path):
         lc = json.loads((tmp_path / f"spec_compare_{model}_mn_llama.cpp.json").read_text())
         assert lc["engine"] == "llama.cpp" and set(lc["methods"]) == set(spec["methods"])
         assert all(lc["tokens_equal_ar"].values())
+        f45 = json.loads((tmp_path / f"fig45_{model}_mn.json").read_text())["curves"]
+        assert f45["length"] == list(range(1, 9)) and f45["unique"][0] == 30  # one AR step: 5 MoE layers × top-6
+        assert all(a <= b for a, b in zip(f45["unique"], f45["unique"][1:])) and f45["unique"][-1] <= f45["linear"][-1]
         cc = json.loads((tmp_path / f"crosscheck_{model}.json").read_text())
         assert cc["prompts"] == 6 and cc["token_mismatches"] == 0 and cc["layer_positions"] > 0
     corpus = (REPO / "work" / "corpus" / "val.jsonl").exists()  # Table 5's held-out text (`bench data corpus`)
