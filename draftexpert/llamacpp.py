@@ -48,7 +48,7 @@ import numpy as np
 from draftexpert.decoding import DecodeOutput
 from draftexpert.gguf_experts import PARTS, ExpertFile
 from draftexpert.ledger import Ledger
-from draftexpert.speculative import Draft, RoundStats, SpecConfig
+from draftexpert.speculative import Draft, RoundStats, SpecConfig, greedy_accept
 
 PAGE = mmap.PAGESIZE
 MADV_RANDOM, MADV_DONTNEED, POSIX_FADV_WILLNEED, POSIX_FADV_DONTNEED = 1, 4, 3, 4  # Linux values
@@ -441,8 +441,4 @@ class LlamaSpeculativeDecoder(_Engine):
 
     @staticmethod
     def accept(draft: Draft, logits: np.ndarray) -> tuple[list[int], int]:
-        target = logits.argmax(-1).tolist()
-        n = 0
-        while n < len(draft.tokens) and draft.tokens[n] == target[n]:
-            n += 1
-        return draft.tokens[:n] + [target[n]], n
+        return greedy_accept(draft.tokens, logits.argmax(-1).tolist())

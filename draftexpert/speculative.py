@@ -85,6 +85,15 @@ def layer_experts(routing: dict[int, torch.Tensor], rows: slice = slice(None)) -
     return {(layer, e) for layer, idx in routing.items() for e in idx[rows].unique().tolist()}
 
 
+def greedy_accept(draft_tokens: list[int], target_argmax: list[int]) -> tuple[list[int], int]:
+    """(emitted, accepted): the longest prefix with v_j = argmax p_j, plus the target's own next
+    token (`target_argmax` has one entry per verify position, K + 1)."""
+    n = 0
+    while n < len(draft_tokens) and draft_tokens[n] == target_argmax[n]:
+        n += 1
+    return draft_tokens[:n] + [target_argmax[n]], n
+
+
 def probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     return torch.softmax(logits.float() / (temperature if temperature > 0 else 1.0), dim=-1)
 
@@ -154,11 +163,7 @@ class SpeculativeDecoder:
         """(emitted tokens, accepted draft tokens): the accepted prefix + one token of the target's."""
         T = self.cfg.temperature
         if T <= 0:
-            target = logits.argmax(-1).tolist()
-            n = 0
-            while n < len(draft.tokens) and draft.tokens[n] == target[n]:
-                n += 1
-            return draft.tokens[:n] + [target[n]], n
+            return greedy_accept(draft.tokens, logits.argmax(-1).tolist())
         for j, v in enumerate(draft.tokens):
             p, q = probs(logits[j], T), draft.q[j]
             if torch.rand((), generator=gen) < torch.clamp(p[v] / q[v], max=1.0):
