@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
 	$(BIN)/python -m pip install -q -e ".[test]"
 	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/python -m pip install -q "$(LLAMA_SPEC)"
-	$(BIN)/python -c "from draftexpert.llamacpp import build_info; assert build_info().get('LLAMAFILE', '0') == '0'" || \
+	$(BIN)/python -c "from draftexpert.engines.llamacpp import build_info; assert build_info().get('LLAMAFILE', '0') == '0'" || \
 		CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/python -m pip install -q --no-cache-dir --force-reinstall --no-deps "$(LLAMA_SPEC)"
 	touch $(STAMP)
 

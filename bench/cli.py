@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated
 
@@ -26,6 +27,26 @@ app.add_typer(model_app, name="model")
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout (logs on stderr).")]
 EngineOpt = Annotated[str, typer.Option("--engine", help="torch | llama.cpp (platform mn; needs the llamacpp extra)")]
 ModelPathOpt = Annotated[Path | None, typer.Option("--model-path", help="Folder of the model in Hugging Face format.")]
+# The options `run` and `compare` share (one definition each).
+ModelOpt = Annotated[str, typer.Option("--model", help="ds | ml | ds-tiny | ml-tiny")]
+PlatformOpt = Annotated[str, typer.Option("--platform", help="mn (flash → accelerator) | cg (host → GPU) | "
+                                          "resident (every expert on the accelerator)")]
+ExpertTypeOpt = Annotated[str, typer.Option("--expert-type", help="mn: f32 | f16 | bf16 | q4_0")]
+SuiteOpt = Annotated[list[str] | None, typer.Option("--suite", help="Prompt suite(s); default all six.")]
+LimitOpt = Annotated[int | None, typer.Option("--limit", min=1, help="First N prompts of each suite.")]
+MaxNewTokensOpt = Annotated[int, typer.Option("--max-new-tokens", min=1)]
+ThreadsOpt = Annotated[int | None, typer.Option("--threads", min=1, help="torch CPU threads.")]
+OutOpt = Annotated[Path | None, typer.Option("--out", help="Run folder (records.jsonl + manifest.json); compare: "
+                                             "the folder of the per-method run folders.")]
+KMaxOpt = Annotated[int, typer.Option("--k-max", min=1, help="Most draft tokens per round.")]
+TauOpt = Annotated[float, typer.Option("--tau", min=0.0, max=1.0, help="Confidence threshold τ of the controller.")]
+BudgetOpt = Annotated[int, typer.Option("--budget", min=0, help="B: layer-experts an unconfident draft token may add "
+                                        "to the verify set.")]
+DraftExpertsOpt = Annotated[Path | None, typer.Option("--draft-experts", help="draftexpert: a distilled checkpoint "
+                                                      "(default: the model's `full` preset if distilled, else zero = "
+                                                      "shared+top-1).")]
+CompileOpt = Annotated[bool, typer.Option("--compile", help="torch.compile the one-token decode step (static shapes; "
+                                          "~20 s of compilation the first time).")]
 REPO_ROOT = registry.REPO_ROOT
 WORK_DIR = REPO_ROOT / "work"
 
@@ -93,7 +114,7 @@ def _size(gib: float) -> str:
 def params(model: Annotated[str, typer.Option("--model", help="ds | ml | ds-tiny | ml-tiny")] = "ds",
            model_path: ModelPathOpt = None, as_json: JsonOpt = False):
     """Parameter breakdown from the config alone (Fig. 1a): routed experts vs everything else."""
-    from draftexpert.params import breakdown
+    from draftexpert.runtime.params import breakdown
 
     check_model(model)
     s = breakdown(registry.config_facts(model, model_path)).summary()
@@ -202,7 +223,7 @@ def prompts_fetch():
 
 
 def expert_file(model: str, folder: Path, qtype: str, out: Path | None = None) -> Path:
-    from bench.runner import expert_file_for
+    from bench.artifacts import expert_file_for
 
     return expert_file_for(model, folder, qtype, out, log=log)
 
@@ -222,10 +243,10 @@ def convert(model: Annotated[str, typer.Option("--model", help="ds | ml | ds-tin
     llama.cpp model over them — a head with every other weight as split 1, the expert file as
     split 2 — and, with --drafter, the DraftExpert drafter's head over the same split 2.
     shared+top-r needs no file of its own: it is the target loaded with expert_used_count = r."""
-    from bench.runner import llama_head_for, load_experts
-    from draftexpert.distill import DistillError
-    from draftexpert.gguf_experts import TYPES
-    from draftexpert.loader import CheckpointError
+    from bench.artifacts import llama_head_for, load_draft_experts_for
+    from draftexpert.training.distill import DistillError
+    from draftexpert.runtime.gguf_experts import TYPES
+    from draftexpert.runtime.loader import CheckpointError
 
     if to != "gguf":
         fail(f"--to: only gguf is supported, not {to!r}")
@@ -236,7 +257,7 @@ def convert(model: Annotated[str, typer.Option("--model", help="ds | ml | ds-tin
         path = expert_file(model, folder, qtype, out)
         files = {"experts": str(path), "target": str(llama_head_for(model, folder, qtype, path, log=log))}
         if drafter:
-            draft, meta = load_experts(model, folder, draft_experts)
+            draft, meta = load_draft_experts_for(model, folder, draft_experts)
             if draft is None:
                 fail(f"--drafter: {model} has no distilled draft experts (bench distill), and --draft-experts was not given")
             files["draftexpert"] = str(llama_head_for(model, folder, qtype, path, draft, meta["sha256"], log=log))
@@ -249,8 +270,8 @@ def convert(model: Annotated[str, typer.Option("--model", help="ds | ml | ds-tin
 def _check_run_flags(platform: str, expert_type: str, suite: list[str] | None) -> None:
     """--platform, --expert-type and --suite of `run` and `compare`, each named when wrong."""
     from bench import prompts
-    from bench.runner import PLATFORMS
-    from draftexpert.gguf_experts import TYPES
+    from bench.decoders import PLATFORMS
+    from draftexpert.runtime.gguf_experts import TYPES
 
     if platform not in PLATFORMS:
         fail(f"--platform: {platform!r} is not one of {', '.join(PLATFORMS)}")
@@ -261,32 +282,54 @@ def _check_run_flags(platform: str, expert_type: str, suite: list[str] | None) -
         fail(f"--suite: unknown suite(s) {', '.join(unknown)}; known: {', '.join(prompts.SUITES)}")
 
 
+def _prompts_and_threads(suite: list[str] | None, limit: int | None, threads: int | None, from_hub: bool = False):
+    """The prompts of `run` / `compare` (committed subsets, or the hub with --from-hub), and torch's threads."""
+    import torch
+
+    from bench import prompts
+
+    if threads:
+        torch.set_num_threads(threads)
+    load = prompts.hub_loader if from_hub else prompts.load
+    try:
+        return [p for s in (suite or list(prompts.SUITES)) for p in load(s, limit)]
+    except Exception as e:  # noqa: BLE001 - datasets missing, offline, or the hub refused
+        if not from_hub:
+            raise
+        fail(f"--from-hub: could not load from the Hugging Face hub ({type(e).__name__}: {e}); it needs the "
+             "`datasets` package and network access — the committed suites need neither")
+
+
+@contextmanager
+def _named_errors():
+    """What building a decoder or running cells raises for bad input becomes a one-line error."""
+    from draftexpert.engines.llamacpp import LlamaCppError
+    from draftexpert.runtime.gguf_experts import ExpertFileError
+    from draftexpert.runtime.loader import CheckpointError
+
+    try:
+        yield
+    except (CheckpointError, ExpertFileError, LlamaCppError, ValueError) as e:  # DistillError is a ValueError
+        fail(str(e))
+
+
 @app.command()
-def run(model: Annotated[str, typer.Option("--model", help="ds | ml | ds-tiny | ml-tiny")] = "ds-tiny",
-        model_path: ModelPathOpt = None,
+def run(model: ModelOpt = "ds-tiny", model_path: ModelPathOpt = None,
         method: Annotated[str, typer.Option("--method", help="ar | top-r | draftexpert | reference")] = "ar",
-        platform: Annotated[str, typer.Option("--platform", help="mn (flash → accelerator) | cg (host → GPU) | "
-                                              "resident (every expert on the accelerator)")] = "mn",
-        expert_type: Annotated[str, typer.Option("--expert-type", help="mn: f32 | f16 | bf16 | q4_0")] = "q4_0",
+        platform: PlatformOpt = "mn", expert_type: ExpertTypeOpt = "q4_0",
         cache_experts: Annotated[int, typer.Option("--cache-experts", min=0, help="Experts kept on the accelerator "
                                                    "between forwards (0: the paper's cold setting).")] = 0,
         staging_budget: Annotated[int, typer.Option("--staging-budget", min=0, help="mn: bytes of raw experts kept "
                                                     "staged in DRAM between steps.")] = 0,
         temperature: Annotated[float, typer.Option("--temperature", min=0.0)] = 0.0,
         seed: Annotated[int, typer.Option("--seed")] = 0,
-        suite: Annotated[list[str] | None, typer.Option("--suite", help="Prompt suite(s); default all six.")] = None,
-        limit: Annotated[int | None, typer.Option("--limit", min=1, help="First N prompts of each suite.")] = None,
-        max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", min=1)] = 64,
-        threads: Annotated[int | None, typer.Option("--threads", min=1, help="torch CPU threads.")] = None,
+        suite: SuiteOpt = None, limit: LimitOpt = None, max_new_tokens: MaxNewTokensOpt = 64,
+        threads: ThreadsOpt = None,
         from_hub: Annotated[bool, typer.Option("--from-hub", help="Load the suites from the Hugging Face hub with "
                                                "`datasets` (online users) instead of the committed subsets.")] = False,
-        out: Annotated[Path | None, typer.Option("--out", help="Run folder (records.jsonl + manifest.json).")] = None,
+        out: OutOpt = None,
         r: Annotated[int, typer.Option("--r", min=1, help="top-r: routed experts the drafter runs.")] = 1,
-        k_max: Annotated[int, typer.Option("--k-max", min=1, help="Most draft tokens per round.")] = 4,
-        tau: Annotated[float, typer.Option("--tau", min=0.0, max=1.0, help="Confidence threshold τ of the "
-                                           "controller.")] = 0.6,
-        budget: Annotated[int, typer.Option("--budget", min=0, help="B: layer-experts an unconfident draft token "
-                                            "may add to the verify set.")] = 24,
+        k_max: KMaxOpt = 4, tau: TauOpt = 0.6, budget: BudgetOpt = 24,
         budget_mode: Annotated[str, typer.Option("--budget-mode", help="fixed | cache (count only experts not on "
                                                  "the accelerator)")] = "fixed",
         truncate: Annotated[bool, typer.Option("--truncate/--no-truncate", help="Confidence–expansion truncation "
@@ -295,12 +338,7 @@ def run(model: Annotated[str, typer.Option("--model", help="ds | ml | ds-tiny | 
                                                "verifier experts.")] = True,
         draft_cache: Annotated[str, typer.Option("--draft-cache", help="shared (drafter reads the target's KV cache) "
                                                  "| own (its own cache)")] = "shared",
-        draft_experts: Annotated[Path | None, typer.Option("--draft-experts", help="draftexpert: a distilled checkpoint "
-                                                           "(default: the model's `full` preset if distilled, else "
-                                                           "zero = shared+top-1).")] = None,
-        compile: Annotated[bool, typer.Option("--compile", help="torch.compile the one-token decode step (static "
-                                              "shapes; ~20 s of compilation the first time).")] = False,
-        engine: EngineOpt = "torch",
+        draft_experts: DraftExpertsOpt = None, compile: CompileOpt = False, engine: EngineOpt = "torch",
         as_json: JsonOpt = False):
     """Decode the prompt suites with one method; one record per prompt, resumable.
 
@@ -309,14 +347,10 @@ def run(model: Annotated[str, typer.Option("--model", help="ds | ml | ds-tiny | 
     as drafter; `draftexpert`: with shared + top-1 + draft expert, confidence–expansion
     truncation and draft-router prefetch (Algorithm 1). `reference`: the target's plain greedy
     decoding through transformers, weights resident — the exactness oracle."""
-    import torch
-
-    from bench import prompts
-    from bench.runner import METHODS, make_decoder, run_cells
+    from bench.decoders import METHODS, SpecOptions, make_decoder
+    from bench.runner import run_cells
     from bench.telemetry import collect
-    from draftexpert.gguf_experts import ExpertFileError
-    from draftexpert.llamacpp import LlamaCppError
-    from draftexpert.loader import CheckpointError
+    from draftexpert.speculation.round import SpecConfig
 
     if method not in METHODS:
         fail(f"--method: {method!r} is not available; available: {', '.join(METHODS)}")
@@ -328,31 +362,21 @@ def run(model: Annotated[str, typer.Option("--model", help="ds | ml | ds-tiny | 
     _check_run_flags(platform, expert_type, suite)
     folder = resolve_or_fail(model, model_path)
     if method == "top-r":
-        from draftexpert.loader import load_config
+        from draftexpert.runtime.loader import load_config
 
         top_k = load_config(folder).num_experts_per_tok
         if not r < top_k:
             fail(f"--r: {r} must be below the target's top-k ({top_k}); r = {top_k} is the target itself")
-    if threads:
-        torch.set_num_threads(threads)
-    load = prompts.hub_loader if from_hub else prompts.load
-    try:
-        recs = [p for s in (suite or list(prompts.SUITES)) for p in load(s, limit)]
-    except Exception as e:  # noqa: BLE001 - datasets missing, offline, or the hub refused
-        if not from_hub:
-            raise
-        fail(f"--from-hub: could not load from the Hugging Face hub ({type(e).__name__}: {e}); it needs the "
-             "`datasets` package and network access — the committed suites need neither")
-    try:
+    recs = _prompts_and_threads(suite, limit, threads, from_hub)
+    spec = SpecOptions(r=r, draft_experts=draft_experts,
+                       round=SpecConfig(k_max=k_max, tau=tau, budget=budget, budget_mode=budget_mode, truncate=truncate,
+                                        prefetch=prefetch, draft_cache=draft_cache))
+    with _named_errors():
         decoder, tokenizer, cfg = make_decoder(model, folder, method, platform, expert_type=expert_type,
                                                cache_experts=cache_experts, staging_budget=staging_budget,
                                                temperature=temperature, seed=seed, max_new_tokens=max_new_tokens,
-                                               expert_file=lambda qt: expert_file(model, folder, qt),
-                                               spec=dict(r=r, k_max=k_max, tau=tau, budget=budget, budget_mode=budget_mode,
-                                                         truncate=truncate, prefetch=prefetch, draft_cache=draft_cache,
-                                                         draft_experts=draft_experts), compile=compile, engine=engine)
-    except (CheckpointError, ExpertFileError, LlamaCppError, ValueError) as e:  # DistillError is a ValueError
-        fail(str(e))
+                                               expert_file=lambda qt: expert_file(model, folder, qt), spec=spec,
+                                               compile=compile, engine=engine)
     label = f"top-{r}" if method == "top-r" else method
     engine_tag = "-llama.cpp" if engine == "llama.cpp" else ""
     run_dir = out or (REPO_ROOT / "runs" / f"{model}-{label}-{cfg.platform}{engine_tag}")
@@ -367,37 +391,25 @@ def run(model: Annotated[str, typer.Option("--model", help="ds | ml | ds-tiny | 
 
 
 @app.command()
-def compare(model: Annotated[str, typer.Option("--model")] = "ds-tiny", model_path: ModelPathOpt = None,
-            platform: Annotated[str, typer.Option("--platform", help="mn | cg | resident")] = "mn",
-            expert_type: Annotated[str, typer.Option("--expert-type", help="mn: f32 | f16 | bf16 | q4_0")] = "q4_0",
+def compare(model: ModelOpt = "ds-tiny", model_path: ModelPathOpt = None,
+            platform: PlatformOpt = "mn", expert_type: ExpertTypeOpt = "q4_0",
             method: Annotated[list[str] | None, typer.Option("--method", help="Subset of the set's methods "
                                                              "(default all).")] = None,
             method_set: Annotated[str, typer.Option("--set", help="table2: AR, top-1/2/3, DraftExpert | table4: AR "
-                                                    "and DraftExpert with fixed K, conf.+exp., + prefetch")] = "table2",
-            suite: Annotated[list[str] | None, typer.Option("--suite", help="Prompt suite(s); default all six.")] = None,
-            limit: Annotated[int | None, typer.Option("--limit", min=1, help="First N prompts of each suite.")] = 2,
-            max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", min=1)] = 64,
-            k_max: Annotated[int, typer.Option("--k-max", min=1)] = 4,
-            tau: Annotated[float, typer.Option("--tau", min=0.0, max=1.0)] = 0.6,
-            budget: Annotated[int, typer.Option("--budget", min=0)] = 24,
-            draft_experts: Annotated[Path | None, typer.Option("--draft-experts", help="Distilled checkpoint "
-                                                               "(default: the model's `full` preset, else zero).")] = None,
-            threads: Annotated[int | None, typer.Option("--threads", min=1, help="torch CPU threads.")] = None,
-            compile: Annotated[bool, typer.Option("--compile", help="torch.compile the one-token decode step.")] = False,
-            engine: EngineOpt = "torch",
-            out: Annotated[Path | None, typer.Option("--out", help="Folder of the per-method run folders.")] = None,
-            as_json: JsonOpt = False):
+                                                    "and DraftExpert with fixed K, conf.+exp., + prefetch | fig3: "
+                                                    "the drafters at a fixed K = 8")] = "table2",
+            suite: SuiteOpt = None, limit: LimitOpt = 2, max_new_tokens: MaxNewTokensOpt = 64,
+            k_max: KMaxOpt = 4, tau: TauOpt = 0.6, budget: BudgetOpt = 24,
+            draft_experts: DraftExpertsOpt = None, threads: ThreadsOpt = None, compile: CompileOpt = False,
+            engine: EngineOpt = "torch", out: OutOpt = None, as_json: JsonOpt = False):
     """AR offload vs shared+top-r (r = 1, 2, 3; fixed K, no prefetch) vs DraftExpert (truncation +
     prefetch): decode TPS, α, τ, unique layer-experts per draft / verify block, loads and bytes per
     token, prefetch hit / waste — one table from the records; resumable."""
-    import torch
-
     from bench import compare as cmp
-    from bench import prompts
+    from bench.decoders import SpecOptions
     from bench.telemetry import collect
-    from draftexpert.gguf_experts import ExpertFileError
-    from draftexpert.llamacpp import LlamaCppError
-    from draftexpert.loader import CheckpointError
+    from draftexpert.speculation.round import SpecConfig
+    from paper_figs.spec_table import table, table4
 
     if method_set not in cmp.SETS:
         fail(f"--set: {method_set!r} is not one of {', '.join(cmp.SETS)}")
@@ -407,19 +419,13 @@ def compare(model: Annotated[str, typer.Option("--model")] = "ds-tiny", model_pa
         fail(f"--method: unknown {', '.join(bad)}; known: {', '.join(known)}")
     _check_run_flags(platform, expert_type, suite)
     folder = resolve_or_fail(model, model_path)
-    if threads:
-        torch.set_num_threads(threads)
-    recs = [p for s in (suite or list(prompts.SUITES)) for p in prompts.load(s, limit)]
+    recs = _prompts_and_threads(suite, limit, threads)
     out_dir = out or (REPO_ROOT / "runs" / f"compare-{model}-{platform}{'-llama.cpp' if engine == 'llama.cpp' else ''}")
-    try:
-        res = cmp.compare(model, folder, platform, recs, out_dir, max_new_tokens,
-                          dict(k_max=k_max, tau=tau, budget=budget, draft_experts=draft_experts), expert_type,
+    spec = SpecOptions(draft_experts=draft_experts, round=SpecConfig(k_max=k_max, tau=tau, budget=budget))
+    with _named_errors():
+        res = cmp.compare(model, folder, platform, recs, out_dir, max_new_tokens, spec, expert_type,
                           lambda qt: expert_file(model, folder, qt), collect(out_dir, measure_io=True),
                           labels=method, log=log, compile=compile, method_set=method_set, engine=engine)
-    except (CheckpointError, ExpertFileError, LlamaCppError, ValueError) as e:
-        fail(str(e))
-    from paper_figs.spec_table import table, table4
-
     emit(res, as_json, (table4 if method_set == "table4" else table)(res) + f"\n\ntokens equal AR: {res['tokens_equal_ar']}  ({out_dir})")
 
 
@@ -437,9 +443,9 @@ def crosscheck(model: Annotated[str, typer.Option("--model")] = "ds-tiny", model
 
     from bench import prompts
     from bench.crosscheck import crosscheck as run_crosscheck
-    from bench.runner import llama_head_for
-    from draftexpert.llamacpp import LlamaCppError
-    from draftexpert.loader import CheckpointError
+    from bench.artifacts import llama_head_for
+    from draftexpert.engines.llamacpp import LlamaCppError
+    from draftexpert.runtime.loader import CheckpointError
 
     if qtype not in ("f32", "f16"):
         fail(f"--type: {qtype!r} — compare engines at f32 or f16; a quantized file is a different model")
@@ -474,7 +480,7 @@ def speed_overhead(model: Annotated[str, typer.Option("--model")] = "ds-tiny", m
                    as_json: JsonOpt = False):
     """Resident AR decode with the lean runtime vs transformers' generate (same model, threads, process)."""
     from bench import speed
-    from bench.runner import llama_head_for
+    from bench.artifacts import llama_head_for
 
     folder = resolve_or_fail(model, model_path)
     head = None
@@ -611,7 +617,7 @@ def _evaluate(model: str, folder: Path, limit: int | None, continuations: bool) 
 
     from bench.tiny import evaluate as ev
     from bench.tiny.tokenizer import token_data_for
-    from draftexpert.checkpoint import load_target
+    from draftexpert.runtime.checkpoint import load_target
 
     target, tok = load_target(folder)
     try:
@@ -670,8 +676,8 @@ def distill_cmd(model: Annotated[str, typer.Option("--model")] = "ds-tiny", mode
     """Self-distil the draft experts of a frozen target (Eq. 6–11) on the corpus's training split;
     resumable; writes a safetensors checkpoint paired with the target's weights."""
     from bench import distill as bd
-    from draftexpert.distill import DistillConfig, DistillError
-    from draftexpert.loader import load_config
+    from draftexpert.training.distill import DistillConfig, DistillError
+    from draftexpert.runtime.loader import load_config
 
     folder = resolve_or_fail(model, model_path)
     try:
@@ -705,7 +711,7 @@ def distill_eval_cmd(model: Annotated[str, typer.Option("--model")] = "ds-tiny",
 
     from bench import distill as bd
     from bench import prompts
-    from draftexpert.distill import PRESETS, DistillError
+    from draftexpert.training.distill import PRESETS, DistillError
 
     bad = [p for p in preset or [] if p not in PRESETS]
     if bad:

@@ -2,11 +2,13 @@
 platform — every method through the same runner into its own resumable run folder, then one
 table computed from the records (Spec-Bench style: metrics afterwards, never inside the loop).
 
-Metrics and the table: `paper_figs.spec_table`.
+Metrics: `draftexpert.metrics`; the table: `paper_figs.spec_table`.
 """
 from __future__ import annotations
 
 from pathlib import Path
+
+from bench.decoders import SpecOptions
 
 # (label, method, spec overrides): the paper's top-r baseline is plain self-speculation (fixed K,
 # no prefetch); DraftExpert runs with truncation and prefetch (Table 2's "DE").
@@ -36,11 +38,12 @@ SETS = {"table2": METHODS, "table4": POLICIES, "fig3": FOOTPRINT}
 
 
 def compare(model: str, folder: Path, platform: str, prompts: list[dict], out_dir: Path, max_new_tokens: int,
-            spec: dict, expert_type: str, expert_file, machine: dict | None, labels: list[str] | None = None,
+            spec: SpecOptions, expert_type: str, expert_file, machine: dict | None, labels: list[str] | None = None,
             log=print, compile: bool = False, method_set: str = "table2", engine: str = "torch") -> dict:
+    from bench.decoders import make_decoder
     from bench.results import read_records
-    from paper_figs.spec_table import aggregate
-    from bench.runner import make_decoder, run_cells
+    from bench.runner import run_cells
+    from draftexpert import metrics
 
     rows = {}
     for label, method, over in SETS[method_set]:
@@ -48,25 +51,18 @@ def compare(model: str, folder: Path, platform: str, prompts: list[dict], out_di
             continue
         decoder, tokenizer, cfg = make_decoder(model, folder, method, platform, expert_type=expert_type,
                                                max_new_tokens=max_new_tokens, expert_file=expert_file,
-                                               spec={**spec, **over}, compile=compile, engine=engine)
+                                               spec=spec.with_(**over), compile=compile, engine=engine)
         run_dir = out_dir / label
         log(f"== {label} → {run_dir}")
         summary = run_cells(cfg, prompts, decoder, tokenizer, run_dir, machine=machine, log=log)
         decoder.close()
         recs = [r for r in read_records(run_dir / "records.jsonl") if r["config_hash"] == summary["config_hash"]]
-        rows[label] = aggregate(recs)
+        rows[label] = metrics.aggregate(recs)
         rows[label]["tokens"] = {r["prompt_id"]: r["tokens"] for r in recs}
         rows[label]["method_args"] = cfg.method_args
-        if method != "ar" and all("drafted_at" in r for r in recs):  # records written before Fig. 3 lack it
-            from paper_figs.fig3 import curve
-
-            rows[label]["draft_unique_curve"] = curve(recs)
-    ar = rows.get("ar", {}).get("decode_tps")
-    ar_forward = rows.get("ar", {}).get("ar_forward_s")
     for row in rows.values():
-        row["speedup"] = row["decode_tps"] / ar if ar else None
-        row["verify_cost_x_ar"] = row["verify_forward_s"] / ar_forward if ar_forward and "verify_forward_s" in row else None
+        row.update(metrics.relative(row, rows.get("ar")))
     same = {label: all(row["tokens"][p] == rows["ar"]["tokens"][p] for p in row["tokens"])
             for label, row in rows.items() if "ar" in rows and label != "ar"}
     return {"model": model, "platform": platform, "engine": engine, "set": method_set, "expert_type": expert_type if platform == "mn" else None,
-            "max_new_tokens": max_new_tokens, "spec": spec, "methods": rows, "tokens_equal_ar": same}
+            "max_new_tokens": max_new_tokens, "spec": spec.as_dict(), "methods": rows, "tokens_equal_ar": same}

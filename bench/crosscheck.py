@@ -21,38 +21,35 @@ import torch
 
 def _torch_run(model, ids: list[int], n: int, eos: int | None):
     """(tokens, routing [{layer: experts}] per position, router gaps [{layer: gap}] per position,
-    logit gap per emitted token). The router gap is the selection-score gap between the k-th and
-    (k+1)-th expert (V2: softmax probability; V3: sigmoid + correction bias)."""
-    import draftexpert.model as runtime
+    logit gap per emitted token). The router gap is the gap between the k-th and (k+1)-th
+    selection score of the runtime's own rule (`router_scores`: V2 softmax probability; V3
+    sigmoid + correction bias, group-limited), from the model's router-logit tap."""
+    from draftexpert.runtime.model import KVCache, router_scores
 
-    cache = runtime.KVCache.for_model(model, len(ids) + n + 1)
-    moe_layers = [i for i in range(model.cfg.layers) if model.cfg.is_moe(i)]
-    routing, router_gaps, logit_gaps, calls = [], [], [], []
-    route = runtime.route
-
-    def tapped(logits, cfg, r, bias=None):  # the runtime's router, its selection scores recorded
-        choice = logits.float().sigmoid() + (bias if bias is not None else 0) if cfg.v3 else logits.float().softmax(-1)
-        top = torch.topk(choice, cfg.top_k + 1, dim=-1).values  # [T, k+1]
-        calls.append((top[:, -2] - top[:, -1]).tolist())
-        return route(logits, cfg, r, bias)
+    cache = KVCache.for_model(model, len(ids) + n + 1)
+    biases = {i: L["bias"] for i, L in enumerate(model.layers) if "gate" in L}
+    routing, router_gaps, logit_gaps = [], [], []
+    model.router_logits = {}
 
     def step(x: list[int]) -> int:
-        calls.clear()
         logits = model.forward(torch.tensor(x), cache, phase="ar")[-1]
+        gaps = {}
+        for layer, z in model.router_logits.items():
+            top = torch.topk(router_scores(z.float(), model.cfg, biases[layer])[1], model.cfg.top_k + 1, dim=-1).values
+            gaps[layer] = (top[:, -2] - top[:, -1]).tolist()  # [T]
         for t in range(len(x)):
             routing.append({layer: set(idx[t].tolist()) for layer, idx in model.last_routing.items()})
-            router_gaps.append({layer: calls[j][t] for j, layer in enumerate(moe_layers)})
+            router_gaps.append({layer: g[t] for layer, g in gaps.items()})
         top2 = torch.topk(logits.float(), 2).values
         logit_gaps.append(float(top2[0] - top2[1]))
         return int(logits.argmax())
 
-    runtime.route = tapped
     try:
         tokens = [step(ids)]
         while len(tokens) < n and tokens[-1] != eos:
             tokens.append(step(tokens[-1:]))
     finally:
-        runtime.route = route
+        model.router_logits = None
     return tokens, routing, router_gaps, logit_gaps
 
 
@@ -76,9 +73,9 @@ def crosscheck(folder: Path, prompts: list[dict], head: Path, max_new_tokens: in
                log: Callable[[str], None] = lambda m: print(m, file=sys.stderr)) -> dict:
     from transformers import AutoTokenizer
 
-    from bench.runner import render_prompt
-    from draftexpert.llamacpp import LlamaModel
-    from draftexpert.loader import build_model
+    from bench.prompts import render_prompt
+    from draftexpert.engines.llamacpp import LlamaModel
+    from draftexpert.runtime.loader import build_model
 
     tok = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     model = build_model(folder, "resident")

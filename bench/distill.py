@@ -2,9 +2,9 @@
 training split (never the evaluation prompts: the corpus is decontaminated against them) and
 measure Table 5 on held-out text and prompts.
 
-Where things go: embedded models keep their draft experts beside the weights,
-`models/<name>/draft_experts/<preset>.safetensors` (+ `.history.jsonl`, `.loss.png`); real models
-(whose folder may be a read-only Hugging Face cache) under `work/draft_experts/<name>/`.
+Where things go: `bench.artifacts.experts_dir` (embedded models beside their weights,
+`models/<name>/draft_experts/<preset>.safetensors` + `.history.jsonl`, `.loss.png`; real models
+under `work/draft_experts/<name>/`).
 Training state (resumable: the same options resume) lives in `work/distill/<name>-<preset>-<options hash>/`.
 """
 from __future__ import annotations
@@ -14,21 +14,10 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from bench import registry
+from bench.artifacts import WORK, experts_dir, find_draft_experts
 
-WORK = registry.REPO_ROOT / "work"
 PRESET_ORDER = ["top1", "residual", "logit-token", "full"]  # Table 5's rows
 EVAL_WINDOWS = 32  # held-out windows of `seq_len` tokens for KL / agreement
-
-
-def experts_dir(model: str, folder: Path) -> Path:
-    spec = registry.get(model)
-    return folder / "draft_experts" if spec.embedded else WORK / "draft_experts" / model
-
-
-def find_draft_experts(model: str, folder: Path, preset: str = "full") -> Path | None:
-    p = experts_dir(model, folder) / f"{preset}.safetensors"
-    return p if p.exists() else None
 
 
 def token_splits(folder: Path, log):
@@ -42,8 +31,8 @@ def token_splits(folder: Path, log):
 def distill(model: str, folder: Path, cfg, out: Path | None, log) -> dict:
     import torch
 
-    from draftexpert.checkpoint import load_target
-    from draftexpert.distill import eval_windows, save_draft_experts, train
+    from draftexpert.runtime.checkpoint import load_target
+    from draftexpert.training.distill import eval_windows, save_draft_experts, train
 
     hf, _ = load_target(folder)
     hf = hf.float()
@@ -95,12 +84,14 @@ def distill_eval(model: str, folder: Path, presets: list[str], prompts: list[dic
                  seq_len: int, log) -> dict:
     """Table 5 per preset: KL, token agreement, router agreement on held-out windows; acceptance
     and prefetch hit rate of DraftExpert at K = 4 (no truncation, prefetch on, cold host store)."""
-    from bench.runner import render_prompt
-    from draftexpert.checkpoint import load_target
-    from draftexpert.distill import DraftExpertModule, eval_windows, evaluate, load_draft_experts, moe_layers
-    from draftexpert.drafters import DraftExperts, draftexpert
-    from draftexpert.loader import build_model
-    from draftexpert.speculative import SpecConfig, SpeculativeDecoder
+    from bench.prompts import render_prompt
+    from draftexpert import metrics
+    from draftexpert.engines.torch_engine import TorchEngine
+    from draftexpert.runtime.checkpoint import load_target
+    from draftexpert.runtime.loader import build_model
+    from draftexpert.speculation.drafters import DraftExperts, draftexpert
+    from draftexpert.speculation.round import SpecConfig, SpeculativeDecoder
+    from draftexpert.training.distill import DraftExpertModule, eval_windows, evaluate, load_draft_experts, moe_layers
 
     hf, tok = load_target(folder)
     hf = hf.float()
@@ -123,13 +114,11 @@ def distill_eval(model: str, folder: Path, presets: list[str], prompts: list[dic
         module = DraftExpertModule(layers, lean.cfg.hidden, experts.intermediate, seed=0)
         module.load_experts(experts)
         row = evaluate(hf, module, windows)
-        dec = SpeculativeDecoder(lean, draftexpert(lean, experts), SpecConfig(k_max=4, truncate=False, prefetch=True))
-        acc = drafted = hits = issued = 0
-        for p in prompts:
-            st = dec.generate(render_prompt(tok, p["prompt"]), max_new_tokens, tok.eos_token_id).stats
-            acc, drafted = acc + st["accepted"], drafted + st["drafted"]
-            hits, issued = hits + st["ledger"]["prefetch"]["hits"], issued + st["ledger"]["prefetch"]["issued"]
-        row.update(acceptance_k4=acc / drafted if drafted else None, prefetch_hit_rate=hits / issued if issued else None,
+        dec = SpeculativeDecoder(TorchEngine(lean, draftexpert(lean, experts)),
+                                 SpecConfig(k_max=4, truncate=False, prefetch=True))
+        runs = [dec.generate(render_prompt(tok, p["prompt"]), max_new_tokens, tok.eos_token_id).stats for p in prompts]
+        spec = metrics.aggregate(runs)
+        row.update(acceptance_k4=spec["acceptance"], prefetch_hit_rate=spec["prefetch_hit_rate"],
                    steps=meta.get("steps", 0), tokens=meta.get("tokens", 0), train_seconds=meta.get("train_seconds", 0.0))
         rows[preset] = row
         log(f"{preset}: KL {row['kl']:.4f}, token agreement {row['token_agreement']:.3f}, router agreement "
@@ -151,16 +140,16 @@ def table(result: dict) -> str:
 
 def write_card(model: str, folder: Path, result: dict) -> Path:
     """models/<m>/draft_experts/README.md: what was trained, how, and Table 5 on held-out data."""
-    from draftexpert.distill import load_draft_experts
+    from draftexpert.training.distill import load_draft_experts
 
     d = experts_dir(model, folder)
     lines = [f"# Draft experts for `{model}`", "",
              "One resident draft expert per MoE layer (an MLP of the routed experts' form, scaled by a learned γ_l), "
              "self-distilled from the frozen target so that shared + top-1 + draft expert agrees with the full MoE "
-             "(Eq. 5–11; `draftexpert/distill.py`). Each checkpoint is paired with the target's weights (sha256 in its "
+             "(Eq. 5–11; `draftexpert/training/distill.py`). Each checkpoint is paired with the target's weights (sha256 in its "
              "metadata) and refused by any other target.", "",
              "| preset | loss terms | steps | tokens | train wall s | file |", "|---|---|---|---|---|---|"]
-    from draftexpert.distill import PRESETS
+    from draftexpert.training.distill import PRESETS
 
     for preset in PRESET_ORDER[1:]:
         p = d / f"{preset}.safetensors"

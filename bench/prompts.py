@@ -200,3 +200,10 @@ def hub_loader(category: str, limit: int | None = None) -> list[dict]:
     rows = ds.select(range(min(limit or len(ds), len(ds))))
     return [{"id": f"{category}-hub-{i:04d}", "category": category, "source": f"hf:{name}",
              "source_id": str(i), "prompt": HUB_FORMAT[category](r)} for i, r in enumerate(rows)]
+
+
+def render_prompt(tokenizer, text: str) -> list[int]:
+    """User message → token ids through the tokenizer's chat template, generation prompt added."""
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                        tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)

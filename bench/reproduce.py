@@ -29,7 +29,9 @@ def fig1b_runs(results_dir: Path, log, per_suite: int = FIG1B_PER_SUITE, tokens:
     """AR-offload runs for Fig. 1b (resumable: finished prompts are skipped), then the figure."""
     from bench import prompts, registry
     from bench.results import load_results
-    from bench.runner import expert_file_for, make_decoder, run_cells
+    from bench.artifacts import expert_file_for
+    from bench.decoders import make_decoder
+    from bench.runner import run_cells
     from bench.telemetry import collect
     from paper_figs import fig1b
 
@@ -46,7 +48,7 @@ def fig1b_runs(results_dir: Path, log, per_suite: int = FIG1B_PER_SUITE, tokens:
                                          expert_file=lambda qt: expert_file_for(FIG1B_MODEL, folder, qt, log=log))
         name = f"fig1b-{FIG1B_MODEL}-{platform}" + (f"-{qtype}" if platform == "mn" else "")
         run_cells(cfg, recs, decoder, tok, runs / name, machine=machine, log=log)
-        decoder.model.experts.close()
+        decoder.close()
     b = fig1b.breakdown(load_results(*[runs / d for d in sorted(p.name for p in runs.iterdir() if p.name.startswith("fig1b-"))]),
                         machine_id=machine["machine_id"])
     (results_dir / "fig1b_breakdown.md").write_text(fig1b.table(b))
@@ -61,15 +63,17 @@ def _compare_on_mn(results_dir: Path, log, model: str, per_suite: int, tokens: i
     import torch
 
     from bench import prompts, registry
+    from bench.artifacts import expert_file_for
     from bench.compare import compare
-    from bench.runner import expert_file_for
+    from bench.decoders import SpecOptions
+    from draftexpert.speculation.round import SpecConfig
     from bench.telemetry import collect
 
     torch.set_num_threads(FIG1B_THREADS)
     folder = registry.resolve(model)
     tag = "-llama.cpp" if engine == "llama.cpp" else ""
     res = compare(model, folder, "mn", prompts.load(limit=per_suite), results_dir / "runs" / f"compare-{model}-mn{tag}",
-                  tokens, dict(k_max=4, tau=0.6, budget=24), "q4_0",
+                  tokens, SpecOptions(round=SpecConfig(k_max=4, tau=0.6, budget=24)), "q4_0",
                   lambda qt: expert_file_for(model, folder, qt, log=log), collect(results_dir), log=log,
                   method_set=method_set, engine=engine)
     for row in res["methods"].values():
@@ -109,7 +113,7 @@ def crosscheck(results_dir: Path, log, per_suite: int | None = None, tokens: int
 
     from bench import prompts, registry
     from bench.crosscheck import crosscheck as run
-    from bench.runner import expert_file_for, llama_head_for
+    from bench.artifacts import expert_file_for, llama_head_for
 
     torch.set_num_threads(FIG1B_THREADS)
     written = []
@@ -171,9 +175,10 @@ def fig45(results_dir: Path, log, per_suite: int = FIG1B_PER_SUITE) -> list[str]
     import torch
 
     from bench import prompts, registry
-    from bench.runner import expert_file_for, render_prompt
+    from bench.artifacts import expert_file_for
+    from bench.prompts import render_prompt
     from bench.sweep import verify_sweep
-    from draftexpert.loader import build_model
+    from draftexpert.runtime.loader import build_model
     from paper_figs import fig45 as render
     from transformers import AutoTokenizer
 
@@ -232,7 +237,7 @@ def reproduce(results_dir: Path, log=lambda m: print(m, file=sys.stderr), per_su
     """Every step; `per_suite` prompts per suite and `tokens` new tokens for the decoding runs."""
     from bench import registry
     from bench.telemetry import collect
-    from draftexpert.params import breakdown
+    from draftexpert.runtime.params import breakdown
     from paper_figs import fig1a
 
     done = []
@@ -259,7 +264,7 @@ def reproduce(results_dir: Path, log=lambda m: print(m, file=sys.stderr), per_su
         done += fig1b_runs(results_dir, log, per_suite, tokens)
         log("Tables 2/3 (mn rows): AR vs shared+top-r vs DraftExpert, ds-tiny and ml-tiny")
         done += spec_compare(results_dir, log, per_suite, tokens)
-        from draftexpert.llamacpp import LlamaCppError, require_llama_cpp
+        from draftexpert.engines.llamacpp import LlamaCppError, require_llama_cpp
 
         try:
             require_llama_cpp()

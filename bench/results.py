@@ -11,7 +11,7 @@ open, `RecordWriter` truncates a torn tail (a last line without its newline) —
 held is not "done" and is redone — and the loader ignores such a tail, so no reader ever sees
 a truncated record. A sweep resumes by skipping cells whose key is already in the file.
 
-Record schema (fields every method fills; the formulas of the metrics next to them):
+Record schema (fields every method fills):
   key                 cell identity: "<config hash>/<prompt id>"; resume skips existing keys
   run, config_hash    run name and a hash of the cell's configuration (below)
   model, platform, engine, method, r, k_max, tau, budget, truncate, prefetch, temperature, seed,
@@ -22,12 +22,11 @@ Record schema (fields every method fills; the formulas of the metrics next to th
   new_tokens          len(tokens)
   prefill_s           wall seconds of the prefill forward
   decode_s            wall seconds from the end of prefill to the last token
-  decode_tps          = new_tokens / decode_s                                  (tokens/s)
-  drafted, accepted   draft tokens proposed / accepted by verification (speculative methods)
-  rounds              drafting rounds (draft → verify cycles)
-  acceptance          α = accepted / drafted
-  mean_accepted_len   τ = 1 + accepted / rounds    (tokens emitted per verification)
-  ledger              the expert runtime's counters for the prompt (loads, bytes, stall, hits …)
+  ledger              the engine's counters for the prompt (requests, loads, bytes, stall per phase)
+  counters            rounds, drafted, accepted, … and the ledger's decode-phase movement
+                      (`draftexpert.metrics`: the names and their meaning)
+  derived figures     decode_tps, acceptance, mean_accepted_length, loading_share, …, each
+                      computed by `draftexpert.metrics.derive` from this record's counters
 Methods may add fields; the loader keeps every field.
 """
 from __future__ import annotations

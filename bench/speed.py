@@ -43,7 +43,8 @@ def overhead(folder: Path, threads: int, new_tokens: int = 64, repeats: int = 3,
     from transformers import AutoModelForCausalLM
 
     from baselines.ar import AROffloadDecoder
-    from draftexpert.loader import build_model
+    from draftexpert.engines.torch_engine import TorchEngine
+    from draftexpert.runtime.loader import build_model
 
     torch.set_num_threads(threads)
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, local_files_only=True).eval()
@@ -52,10 +53,10 @@ def overhead(folder: Path, threads: int, new_tokens: int = 64, repeats: int = 3,
         lean.compile_decode()
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, hf.config.vocab_size, (1, prompt_len), generator=g)
-    dec = AROffloadDecoder(lean)
+    dec = AROffloadDecoder(TorchEngine(lean))
     lm = None
     if llama_head is not None:
-        from draftexpert.llamacpp import LlamaModel
+        from draftexpert.engines.llamacpp import LlamaModel
 
         lm = LlamaModel(llama_head, 512, threads, kv_type="f32")
     hf_ms, lean_ms, llama_ms, same, same_llama = [], [], [], True, True
@@ -96,7 +97,7 @@ def host(folder: Path, repeats: int = 20, layer: int | None = None, log=print) -
     accelerator on the copy stream; on a CPU-only machine the CPU is the accelerator and the copy a
     memcpy) against one copy of the same number of bytes from a pinned buffer, the accelerator's
     measured copy bandwidth: efficiency = (bytes / load seconds) / copy GB/s."""
-    from draftexpert.loader import build_model
+    from draftexpert.runtime.loader import build_model
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
@@ -133,7 +134,7 @@ def host(folder: Path, repeats: int = 20, layer: int | None = None, log=print) -
 
 def flash(folder: Path, gguf: Path, repeats: int = 20, layer: int | None = None, log=print) -> dict:
     from bench.telemetry import odirect_read_bandwidth
-    from draftexpert.experts import FlashStore
+    from draftexpert.runtime.experts import FlashStore
 
     store = FlashStore(gguf)
     f = store.file

@@ -20,7 +20,7 @@ import torch
 
 def verify_sweep(model, prompts: list[list[int]], lengths: list[int], starts: list[int],
                  log: Callable[[str], None] = lambda m: print(m, file=sys.stderr)) -> list[dict]:
-    from draftexpert.model import KVCache
+    from draftexpert.runtime.model import KVCache
 
     store, ledger = model.experts, model.experts.ledger
     context = max(starts) + max(lengths)

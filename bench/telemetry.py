@@ -154,7 +154,7 @@ def versions() -> dict:
     except ImportError:
         pass
     if out["llama_cpp"]:  # the build flags exactness depends on (README: the llama.cpp engine)
-        from draftexpert.llamacpp import build_info
+        from draftexpert.engines.llamacpp import build_info
 
         out["llama_cpp_build"] = build_info()
     return out

@@ -1,11 +1,9 @@
 """Fig. 1b: where AR-offload decode time goes — loading experts vs computing — per platform,
 from AR run records (`bench run --method ar`). Pure: reads records, writes a table and a figure.
 
-Per cell (platform, expert type), over all its records:
-  loading ms/token = Σ decode_stall_s / Σ (new_tokens − 1) · 1000
-  compute ms/token = Σ decode_compute_s / Σ (new_tokens − 1) · 1000
-  other ms/token   = Σ (decode_s − decode_stall_s − decode_compute_s) / Σ (new_tokens − 1) · 1000
-  loading share    = Σ decode_stall_s / Σ (decode_stall_s + decode_compute_s)
+Per cell (platform, expert type), over all its records: loading / compute / other ms per token,
+loading share, MiB and experts moved per token and decode TPS, as `draftexpert.metrics.aggregate`
+derives them from the records' summed counters (the formulas are there).
 """
 from __future__ import annotations
 
@@ -17,6 +15,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
+from draftexpert import metrics  # noqa: E402
 from paper_figs.output import save  # noqa: E402
 
 
@@ -28,21 +27,15 @@ def breakdown(records: pd.DataFrame, machine_id: str | None = None) -> pd.DataFr
         df = df[df["machine_id"] == machine_id]
     df["expert_type"] = df["method_args"].map(lambda a: a.get("expert_type", "—") if isinstance(a, dict) else "—")
     df["device"] = df["method_args"].map(lambda a: a.get("device", "?") if isinstance(a, dict) else "?")
-    df["decode_tokens"] = df["new_tokens"] - 1
-    df["other_s"] = df["decode_s"] - df["decode_stall_s"] - df["decode_compute_s"]
-    g = df.groupby(["model", "platform", "expert_type", "device"], sort=False)
-    s = g[["decode_stall_s", "decode_compute_s", "other_s", "decode_tokens", "decode_bytes", "decode_loads"]].sum()
-    out = pd.DataFrame({
-        "prompts": g.size(),
-        "loading_ms_per_token": 1000 * s.decode_stall_s / s.decode_tokens,
-        "compute_ms_per_token": 1000 * s.decode_compute_s / s.decode_tokens,
-        "other_ms_per_token": 1000 * s.other_s / s.decode_tokens,
-        "loading_share": s.decode_stall_s / (s.decode_stall_s + s.decode_compute_s),
-        "mib_per_token": s.decode_bytes / s.decode_tokens / 2**20,
-        "experts_per_token": s.decode_loads / s.decode_tokens,
-        "decode_tps": s.decode_tokens / (s.decode_stall_s + s.decode_compute_s + s.other_s),
-    })
-    return out.reset_index().sort_values(["model", "platform", "expert_type"], ascending=[True, False, True],
+    keys = ["model", "platform", "expert_type", "device"]
+    rows = []
+    for cell, g in df.groupby(keys, sort=False):
+        a = metrics.aggregate(g.to_dict("records"))
+        rows.append({**dict(zip(keys, cell)), "prompts": a["prompts"], **{k: a[k] for k in (
+            "loading_ms_per_token", "compute_ms_per_token", "other_ms_per_token", "loading_share", "mib_per_token",
+            "loads_per_token", "decode_tps")}})
+    out = pd.DataFrame(rows)
+    return out.sort_values(["model", "platform", "expert_type"], ascending=[True, False, True],
                                          ignore_index=True)
 
 

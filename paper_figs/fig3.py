@@ -1,8 +1,7 @@
-"""Fig. 3: the drafter's cumulative unique routed layer-experts vs draft length, per drafter, from
-run records (fixed K, no truncation). Pure: reads records, writes a table and a figure.
-
-  unique(j) = Σ_rounds draft_unique_at[j] / Σ_rounds drafted_at[j]
-              (layer-experts the drafter had run when it proposed its j-th token, mean over rounds)
+"""Fig. 3: the drafter's cumulative unique routed layer-experts vs draft length, per drafter (fixed
+K, no truncation): the curves `draftexpert.metrics.derive` gives as `draft_unique_curve`
+(layer-experts the drafter had run when it proposed its j-th token, mean over rounds). Pure:
+formats curves into a table and a figure.
 """
 from __future__ import annotations
 
@@ -14,13 +13,6 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from paper_figs.output import save  # noqa: E402
-
-
-def curve(records: list[dict]) -> list[float]:
-    k = max(len(r["drafted_at"]) for r in records)
-    n = [sum(r["drafted_at"][j] for r in records) for j in range(k)]
-    u = [sum(r["draft_unique_at"][j] for r in records) for j in range(k)]
-    return [u[j] / n[j] for j in range(k) if n[j]]
 
 
 def table(curves: dict[str, list[float]]) -> str:

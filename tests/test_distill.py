@@ -4,10 +4,10 @@ import pytest
 import torch
 from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
 
-from draftexpert.distill import (DistillConfig, DistillError, DraftExpertModule, draft_pass, eval_windows, load_draft_experts,
+from draftexpert.training.distill import (DistillConfig, DistillError, DraftExpertModule, draft_pass, eval_windows, load_draft_experts,
                                  losses, save_draft_experts, target_pass, train)
-from draftexpert.drafters import draftexpert
-from draftexpert.model import KVCache, ModelConfig, from_hf_model
+from draftexpert.speculation.drafters import draftexpert
+from draftexpert.runtime.model import KVCache, ModelConfig, from_hf_model
 
 COMMON = dict(vocab_size=300, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
               first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=16,

@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
 
-from draftexpert.model import KVCache, ModelConfig, from_hf_model, route
+from draftexpert.runtime.model import KVCache, ModelConfig, from_hf_model, route
 
 COMMON = dict(vocab_size=300, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
               first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=16,
@@ -95,8 +95,8 @@ def test_unsupported_routing_is_refused():
 
 def _host_model(hf):
     """The lean model over a HostStore: the compiled step keeps the store round trip (split graphs)."""
-    from draftexpert.experts import HostStore
-    from draftexpert.model import MoEModel
+    from draftexpert.runtime.experts import HostStore
+    from draftexpert.runtime.model import MoEModel
 
     sd = {k: v.detach() for k, v in hf.state_dict().items()}
     moe = [i for i in range(hf.config.num_hidden_layers) if f"model.layers.{i}.mlp.experts.gate_up_proj" in sd]
@@ -110,7 +110,7 @@ def test_compiled_decode_step_matches_eager(case, store):
     """compile_decode(): the one-token step through torch.compile (resident: one fused graph; host:
     graphs around the store's fetch) gives the eager step's logits (1e-4), experts and greedy
     tokens, also on draft paths (top-2, DraftExpert) and after a crop (speculation's pattern)."""
-    from draftexpert.drafters import DraftExperts, draftexpert, top_r
+    from draftexpert.speculation.drafters import DraftExperts, draftexpert, top_r
 
     torch.manual_seed(0)
     hf = CASES[case]().eval()

@@ -5,7 +5,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from bench import registry
-from draftexpert.params import breakdown
+from draftexpert.runtime.params import breakdown
 
 GIB = 1 << 30
 

@@ -99,8 +99,8 @@ def test_speculative_runs_emit_ar_tokens_and_ledger_per_prompt(tiny_checkpoint, 
 def test_reference_decoder_equals_transformers_generate(tiny_checkpoint):
     import torch
 
-    from draftexpert.checkpoint import load_target
-    from draftexpert.reference import ReferenceDecoder
+    from draftexpert.runtime.checkpoint import load_target
+    from draftexpert.engines.reference import ReferenceDecoder
 
     model, tok = load_target(tiny_checkpoint)
     ids = tok("the model routes each token")["input_ids"]
@@ -131,7 +131,7 @@ def test_convert_writes_a_readable_expert_file_once(tiny_checkpoint, tmp_path):
     expert file), written once and reused."""
     import gguf
 
-    from draftexpert.gguf_experts import ExpertFile
+    from draftexpert.runtime.gguf_experts import ExpertFile
 
     p = run_bench("convert", "--model", "ds-tiny", "--model-path", str(tiny_checkpoint), "--type", "bf16", "--json",
                   env=_env(tmp_path))

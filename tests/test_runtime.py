@@ -9,9 +9,10 @@ import torch
 from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
 
 from baselines.ar import AROffloadDecoder
-from draftexpert.gguf_experts import ExpertFile, ExpertFileError
-from draftexpert.loader import CheckpointError, build_model, convert_experts
-from draftexpert.model import KVCache
+from draftexpert.engines.torch_engine import TorchEngine
+from draftexpert.runtime.gguf_experts import ExpertFile, ExpertFileError
+from draftexpert.runtime.loader import CheckpointError, build_model, convert_experts
+from draftexpert.runtime.model import KVCache
 
 REPO = Path(__file__).resolve().parents[1]
 COMMON = dict(vocab_size=300, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
@@ -79,7 +80,7 @@ def test_every_store_matches_transformers(checkpoint, reference, store):
     lean = build_model(folder, store, device=DEVICE, gguf_path=gguf)
     for ids, (ref_logits, want) in zip(PROMPTS, reference):
         assert (lean.forward(ids, KVCache.for_model(lean, 128)).cpu() - ref_logits).abs().max() < 1e-4
-        out = AROffloadDecoder(lean).generate(ids.tolist(), 64, hf.generation_config.eos_token_id)
+        out = AROffloadDecoder(TorchEngine(lean)).generate(ids.tolist(), 64, hf.generation_config.eos_token_id)
         assert out.tokens == want
     lean.experts.close()
 
@@ -87,7 +88,7 @@ def test_every_store_matches_transformers(checkpoint, reference, store):
 def test_ledger_counts_cold_loads(checkpoint):
     _, folder, gguf = checkpoint
     lean = build_model(folder, "flash", gguf_path=gguf)
-    out = AROffloadDecoder(lean).generate(PROMPTS[1].tolist(), 8)
+    out = AROffloadDecoder(TorchEngine(lean)).generate(PROMPTS[1].tolist(), 8)
     led = out.stats["ledger"]
     ar = led["by_phase"]["ar"]
     # cold setting: every decode step loads each MoE layer's top-k (one token: all unique)
@@ -102,7 +103,7 @@ def test_ledger_counts_cold_loads(checkpoint):
 def test_cache_keeps_experts_between_forwards(checkpoint):
     _, folder, gguf = checkpoint
     lean = build_model(folder, "host", gguf_path=gguf, cache_experts=32)  # every expert fits
-    AROffloadDecoder(lean).generate(PROMPTS[2].tolist(), 16)
+    AROffloadDecoder(TorchEngine(lean)).generate(PROMPTS[2].tolist(), 16)
     s = lean.experts.ledger.summary()["total"]
     assert s["loads"] <= 32 and s["hits"] > 0
 
@@ -180,16 +181,16 @@ def test_odirect_refusal_is_explained(checkpoint, monkeypatch):
 def test_temperature_sampling_is_seeded(checkpoint):
     _, folder, _ = checkpoint
     lean = build_model(folder, "resident")
-    a = AROffloadDecoder(lean, temperature=0.8, seed=3).generate(PROMPTS[0].tolist(), 16).tokens
-    b = AROffloadDecoder(lean, temperature=0.8, seed=3).generate(PROMPTS[0].tolist(), 16).tokens
-    c = AROffloadDecoder(lean, temperature=0.8, seed=4).generate(PROMPTS[0].tolist(), 16).tokens
+    a = AROffloadDecoder(TorchEngine(lean), temperature=0.8, seed=3).generate(PROMPTS[0].tolist(), 16).tokens
+    b = AROffloadDecoder(TorchEngine(lean), temperature=0.8, seed=3).generate(PROMPTS[0].tolist(), 16).tokens
+    c = AROffloadDecoder(TorchEngine(lean), temperature=0.8, seed=4).generate(PROMPTS[0].tolist(), 16).tokens
     assert a == b and a != c
 
 
 def test_staging_budget_keeps_raw_experts_in_dram(checkpoint):
     _, folder, gguf = checkpoint
     lean = build_model(folder, "flash", gguf_path=gguf, staging_budget_bytes=1 << 30)
-    dec = AROffloadDecoder(lean)
+    dec = AROffloadDecoder(TorchEngine(lean))
     first = dec.generate(PROMPTS[1].tolist(), 8)
     second = dec.generate(PROMPTS[1].tolist(), 8)
     assert first.tokens == second.tokens

@@ -12,10 +12,11 @@ from hypothesis import strategies as st
 from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
 
 from baselines.ar import AROffloadDecoder
-from draftexpert.drafters import DraftExperts, draftexpert, top_r
-from draftexpert.loader import build_model, convert_experts
-from draftexpert.model import KVCache, from_hf_model
-from draftexpert.speculative import SpecConfig, SpeculativeDecoder
+from draftexpert.engines.torch_engine import TorchEngine
+from draftexpert.speculation.drafters import DraftExperts, draftexpert, top_r
+from draftexpert.runtime.loader import build_model, convert_experts
+from draftexpert.runtime.model import KVCache, from_hf_model
+from draftexpert.speculation.round import SpecConfig, SpeculativeDecoder
 
 # Weights large enough (initializer_range 0.3) that routed experts move the logits: a drafter that
 # drops experts then disagrees with the target often (top-1 acceptance ~0.5, checked below).
@@ -85,7 +86,12 @@ def prompt(seed: int, n: int) -> list[int]:
 
 
 def ar_tokens(model, ids, n=24):
-    return AROffloadDecoder(model).generate(ids, n).tokens
+    return AROffloadDecoder(TorchEngine(model)).generate(ids, n).tokens
+
+
+def speculative(model, path, cfg: SpecConfig, trace=None) -> SpeculativeDecoder:
+    """The round on the torch engine, the drafter `path` of `model`."""
+    return SpeculativeDecoder(TorchEngine(model, path, cfg.draft_cache), cfg, trace=trace)
 
 
 @pytest.mark.parametrize("name", DRAFTERS)
@@ -100,7 +106,7 @@ def test_every_drafter_and_k_is_exact(models, name):
             for prefetch in (False, True):
                 cfg = SpecConfig(k_max=k, truncate=truncate, prefetch=prefetch, tau=0.9, budget=2,
                                  draft_cache="own" if prefetch else "shared")
-                got = SpeculativeDecoder(model, path, cfg).generate(ids, 24)
+                got = speculative(model, path, cfg).generate(ids, 24)
                 assert got.tokens == ref, (name, cfg)
 
 
@@ -120,7 +126,7 @@ def test_speculative_greedy_equals_ar_offload(models, store, name, k, truncate, 
     ref = ar_tokens(model, ids)
     cfg = SpecConfig(k_max=k, truncate=truncate, prefetch=prefetch, tau=tau, budget=budget, budget_mode=budget_mode,
                      draft_cache=draft_cache)
-    got = SpeculativeDecoder(model, drafter(model, name), cfg).generate(ids, 24)
+    got = speculative(model, drafter(model, name), cfg).generate(ids, 24)
     assert got.tokens == ref
     s = got.stats
     assert s["accepted"] <= s["drafted"] and len(got.tokens) == 24
@@ -131,7 +137,7 @@ def test_drafters_are_not_trivially_accepted(models):
     model = models[1]["resident"]
     acc = {}
     for name in ("top-1", "top-3", "de-random"):
-        outs = [SpeculativeDecoder(model, drafter(model, name), SpecConfig(k_max=4, truncate=False)).generate(prompt(s, 8), 24)
+        outs = [speculative(model, drafter(model, name), SpecConfig(k_max=4, truncate=False)).generate(prompt(s, 8), 24)
                 for s in range(4)]
         acc[name] = sum(o.stats["accepted"] for o in outs) / sum(o.stats["drafted"] for o in outs)
     assert 0.1 < acc["top-1"] < 0.9 and acc["top-1"] < acc["top-3"], acc
@@ -152,7 +158,7 @@ def test_zero_draft_expert_is_shared_top1(models):
 def test_drafter_keeps_the_targets_gate_weights(models):
     """shared + top-k as a 'drafter' (r = k) is the target itself; top-r runs the first r of the
     target's top-k with the target's weights (V3: normalised over the top-k set, not over r)."""
-    from draftexpert.drafters import DraftPath
+    from draftexpert.speculation.drafters import DraftPath
 
     model = models[1]["resident"]
     ids = torch.tensor(prompt(4, 6))
@@ -178,7 +184,7 @@ def test_prefetch_and_unique_accounting(models, store, monkeypatch):
                         lambda layer, es, phase="ar": fetched.append((phase, layer, list(es))) or real_fetch(layer, es, phase))
     trace = []
     ids = prompt(5, 12)
-    dec = SpeculativeDecoder(model, top_r(2, model.cfg.top_k), SpecConfig(k_max=4, tau=0.5, budget=4), trace=trace)
+    dec = speculative(model, top_r(2, model.cfg.top_k), SpecConfig(k_max=4, tau=0.5, budget=4), trace=trace)
     real_verify = dec.verify
     monkeypatch.setattr(dec, "verify", lambda *a: fetched.append(("verify-starts", None, [])) or real_verify(*a))
     out = dec.generate(ids, 32)
@@ -265,8 +271,8 @@ def test_speculative_sampling_matches_the_target_distribution():
             for c in range(6):
                 exact[(b, c)] = exact.get((b, c), 0.0) + float(p0[a] * p1[b] * p2[c])
     cells = sorted(exact)
-    dec = SpeculativeDecoder(model, top_r(1, model.cfg.top_k), SpecConfig(k_max=2, truncate=False, prefetch=False,
-                                                                          temperature=T))
+    dec = speculative(model, top_r(1, model.cfg.top_k), SpecConfig(k_max=2, truncate=False, prefetch=False,
+                                                                    temperature=T))
     counts = dict.fromkeys(cells, 0)
     draft_only = dict.fromkeys(cells, 0)
     for seed in range(N):
@@ -274,7 +280,8 @@ def test_speculative_sampling_matches_the_target_distribution():
         toks = dec.generate(ids, 3).tokens
         counts[tuple(toks[1:3])] += 1
         g = torch.Generator().manual_seed(seed)  # negative control: the drafter's own samples
-        d = dec.draft(ids + toks[:1], KVCache.for_model(model, 8), 2, g)
+        dec.engine.start(8)
+        d = dec.draft(ids + toks[:1], 2, g)
         draft_only[tuple(d.tokens)] += 1
     expected = [exact[c] * N for c in cells]
     assert chi2_p([counts[c] for c in cells], expected) > 1e-3

@@ -12,7 +12,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from draftexpert.params import breakdown  # noqa: E402
+from draftexpert.runtime.params import breakdown  # noqa: E402
 
 WHY = """\
 ## Why these dimensions

@@ -82,7 +82,7 @@ CONTINUATION_PROMPTS = [
 @torch.inference_mode()
 def continuations(model, tokenizer, max_new_tokens: int = 48) -> list[dict]:
     """Greedy continuations of chat (through the chat template), code and prose prompts."""
-    from draftexpert.reference import ReferenceDecoder
+    from draftexpert.engines.reference import ReferenceDecoder
 
     dec = ReferenceDecoder(model)
     out = []

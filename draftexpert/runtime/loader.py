@@ -15,9 +15,9 @@ from pathlib import Path
 
 import torch
 
-from draftexpert.experts import ExpertStore, FlashStore, HostStore, ResidentStore
-from draftexpert.ledger import Ledger
-from draftexpert.model import MoEModel
+from draftexpert.runtime.experts import ExpertStore, FlashStore, HostStore, ResidentStore
+from draftexpert.runtime.ledger import Ledger
+from draftexpert.runtime.model import ModelConfig, MoEModel
 
 SUPPORTED = ("deepseek_v2", "deepseek_v3")
 
@@ -114,7 +114,7 @@ def gguf_meta(hf_config) -> dict:
 
 def convert_experts(folder: Path, out: Path, qtype: str = "q4_0") -> Path:
     """Write the checkpoint's routed experts into a GGUF expert file (once; later runs reuse it)."""
-    from draftexpert.gguf_experts import write_expert_gguf
+    from draftexpert.runtime.gguf_experts import write_expert_gguf
 
     cfg = load_config(folder)
     return write_expert_gguf(out, routed_experts(Checkpoint(folder), cfg), gguf_meta(cfg), qtype)
@@ -141,3 +141,13 @@ def build_model(folder: Path, store: str = "resident", device: str = "cpu", dtyp
     else:
         raise ValueError(f"unknown expert store {store!r}; choose resident, host or flash")
     return MoEModel(cfg, weights, experts)
+
+
+def load_router(folder: Path) -> tuple[ModelConfig, dict[int, torch.Tensor]]:
+    """The target's routing rule without its weights: (ModelConfig, V3 correction bias per MoE
+    layer, fp32) — what another engine needs to choose experts as the runtime's `route` does."""
+    cfg = load_config(folder)
+    ckpt = Checkpoint(folder)
+    names = {i: f"model.layers.{i}.mlp.gate.e_score_correction_bias"
+             for i in range(cfg.first_k_dense_replace, cfg.num_hidden_layers)}
+    return ModelConfig.from_hf(cfg), {i: ckpt.get(n).float() for i, n in names.items() if n in ckpt.keys()}

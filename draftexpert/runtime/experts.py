@@ -8,7 +8,7 @@ for speculation) and one accelerator-side cache with an in-flight set; they diff
                    accelerator on a dedicated CUDA stream with an event per expert; without CUDA
                    the accelerator is the CPU and the copy runs on a worker thread (a real memcpy
                    into accelerator-side tensors, overlapping compute the same way).
-- `FlashStore`     platform mn: experts in a GGUF file (`draftexpert.gguf_experts`), read with
+- `FlashStore`     platform mn: experts in a GGUF file (`draftexpert.runtime.gguf_experts`), read with
                    O_DIRECT by a pool of reader threads (several reads in flight), each read into a
                    page-aligned staging buffer and dequantised on the accelerator side by the same
                    thread; a DRAM staging budget bounds the raw bytes kept between steps.
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from draftexpert.ledger import Ledger
+from draftexpert.runtime.ledger import Ledger
 
 Key = tuple[int, int]  # (layer, expert)
 
@@ -43,7 +43,6 @@ class ExpertStore:
         self.cache: OrderedDict[Key, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
         self.inflight: dict[Key, object] = {}
         self.block: dict[Key, tuple[torch.Tensor, torch.Tensor]] | None = None  # open draft → verify round
-        self.prefetched: set[Key] = set()
         self.ledger = ledger or Ledger()
 
     # -- what a store implements --------------------------------------------------------
@@ -66,15 +65,12 @@ class ExpertStore:
         reuses what the drafter or a prefetch already moved. Nothing outlives the round unless
         the LRU cache keeps it."""
         self.block = {}
-        self.prefetched: set[Key] = set()
 
-    def end_block(self) -> set[Key]:
-        """Close the round; return the keys prefetched in it. Unfinished prefetches are dropped
-        unwaited (their bytes were issued: waste if verification did not use them)."""
-        issued, self.prefetched = self.prefetched, set()
+    def end_block(self) -> None:
+        """Close the round. Unfinished prefetches are dropped unwaited (their bytes were issued:
+        waste if verification did not use them)."""
         self.block = None
         self.inflight.clear()
-        return issued
 
     def resident_keys(self) -> set[Key]:
         """Keys on the accelerator now without a pending load (cache ∪ the round's finished loads)."""
@@ -92,8 +88,6 @@ class ExpertStore:
             if not self._available(key):
                 self.inflight[key] = self._start(key)
                 self.ledger.record_prefetch(1, self.expert_bytes(key))
-                if self.block is not None:
-                    self.prefetched.add(key)
                 started.append(e)
         return started
 
@@ -208,7 +202,7 @@ class FlashStore(ExpertStore):
     name = "flash"
 
     def __init__(self, path: Path, io_threads: int = 6, staging_budget_bytes: int = 0, **kw):
-        from draftexpert.gguf_experts import ExpertFile
+        from draftexpert.runtime.gguf_experts import ExpertFile
 
         super().__init__(**kw)
         self.file = ExpertFile(Path(path), staging_buffers=io_threads)

@@ -22,16 +22,10 @@ Pieces:
   differ by 8e-4 at f32 and 4e-2 at Q4_0, flipping greedy tokens); built with
   `-DGGML_LLAMAFILE=OFF` every product is the same per-element dot product and the difference is
   0.0. The speculative decoder refuses a llamafile build (`build_info`).
-- `LlamaARDecoder`, `LlamaSpeculativeDecoder`: the `Decoder` contract; the speculative loop has
-  the torch engine's phases and controller (draft → truncate → prefetch → verify → accept →
-  commit, `SpecConfig`), greedy only. The drafter is a second llama.cpp context with its own KV
-  cache (llama.cpp's drafter cannot read the target's cache): it prefills the prompt once and is
-  rolled back to the committed prefix after each round.
-
-The ledger sees what llama.cpp does not report: per forward, the unique layer-experts routed
-(`requested`), those whose pages were not all in the page cache just before (`loads`), and the
-bytes that entered the page cache (`bytes`: the kernel's read-around included). Stall time
-inside llama.cpp's page faults is not observable from here: it is recorded as NaN, not 0.
+- `LlamaEngine`: the `Engine` protocol, so AR offload (`baselines.ar`) and the speculative round
+  (`draftexpert.speculation.round`) run here exactly as on the torch engine. The runner decodes
+  greedily on this engine (the round's sampler would run, but its distribution is tested on the
+  torch engine only).
 """
 from __future__ import annotations
 
@@ -45,10 +39,11 @@ from pathlib import Path
 
 import numpy as np
 
-from draftexpert.decoding import DecodeOutput
-from draftexpert.gguf_experts import PARTS, ExpertFile
-from draftexpert.ledger import Ledger
-from draftexpert.speculative import Draft, RoundStats, SpecConfig, greedy_accept
+import torch
+
+from draftexpert.runtime.gguf_experts import PARTS, ExpertFile
+from draftexpert.runtime.ledger import Ledger
+from draftexpert.runtime.model import route
 
 PAGE = mmap.PAGESIZE
 MADV_RANDOM, MADV_DONTNEED, POSIX_FADV_WILLNEED, POSIX_FADV_DONTNEED = 1, 4, 3, 4  # Linux values
@@ -218,6 +213,9 @@ class ExpertPages:
         if self.addr in (None, ctypes.c_void_p(-1).value):
             raise OSError(ctypes.get_errno(), f"mmap of {self.path} failed")
         self._vec = (ctypes.c_ubyte * (-(-self.size // PAGE)))()
+        self._keys = [(layer, e) for layer in sorted(self.nbytes) for e in range(self.slices[(layer, PARTS[0])].n_experts)]
+        spans = np.array([self.ranges(*k) for k in self._keys], dtype=np.int64).reshape(-1, len(PARTS), 2)  # [N, 3, (off, n)]
+        self._first, self._last = spans[..., 0] // PAGE, -(-(spans[..., 0] + spans[..., 1]) // PAGE)  # page ranges [N, 3]
 
     def ranges(self, layer: int, e: int) -> list[tuple[int, int]]:
         """(file offset, bytes) of expert e's gate, up and down slices."""
@@ -258,6 +256,12 @@ class ExpertPages:
         """Every page of expert e's three slices was cached in `snap`."""
         return all(snap[off // PAGE:-(-(off + n) // PAGE)].all() for off, n in self.ranges(layer, e))
 
+    def resident_experts(self, snap: np.ndarray) -> set[tuple[int, int]]:
+        """Every (layer, e) whose three slices are wholly cached in `snap` (vectorised `resident`)."""
+        cached = np.concatenate([[0], np.cumsum(snap, dtype=np.int64)])  # cached[p] = cached pages before p
+        full = ((cached[self._last] - cached[self._first]) == (self._last - self._first)).all(axis=1)
+        return {self._keys[i] for i in np.flatnonzero(full)}
+
     def expert_pages(self, snap: np.ndarray) -> int:
         return int(snap[self.lo // PAGE:-(-self.hi // PAGE)].sum())
 
@@ -266,179 +270,115 @@ class ExpertPages:
         os.close(self.fd)
 
 
-# -- decoders -----------------------------------------------------------------------------
+# -- the engine ---------------------------------------------------------------------------
 def routed(model: LlamaModel, rows: slice = slice(None)) -> set[tuple[int, int]]:
     """{(layer, expert)} llama.cpp ran over the given positions of the last eval."""
     return {(layer, int(e)) for layer, idx in model.topk.items() for e in np.unique(idx[rows])}
 
 
-class _Engine:
-    """Shared by the decoders: forwards under the ledger, with page-cache accounting."""
+class LlamaEngine:
+    """The `Engine` protocol (`draftexpert.decoding`) on llama.cpp: the target's context and, for
+    speculation, the drafter's (its own KV cache: llama.cpp's drafter cannot read the target's;
+    it prefills the prompt and is rolled back to the committed prefix after each round).
 
-    def __init__(self, pages: ExpertPages, ledger: Ledger | None = None):
-        self.pages, self.ledger = pages, ledger or Ledger()
+    Ê_i (predicted verifier experts of v_i's position) = the top-k of the draft router's logits
+    (`ffn_moe_logits`) when the drafter consumes v_i, chosen by the runtime's own rule
+    (`draftexpert.runtime.model.route` with the target's `ModelConfig` and V3 correction biases:
+    `router`). A round starts cold: the expert split is evicted at `begin_round`.
+
+    The ledger sees what llama.cpp does not report: per forward, the unique layer-experts routed
+    (`requested`), those whose pages were not all in the page cache just before (`loads`), and the
+    bytes that entered the page cache (`page_cache_bytes`: the kernel's read-around included).
+    Stall time inside llama.cpp's page faults is not observable from here: recorded as NaN, not 0."""
+
+    def __init__(self, target: LlamaModel, pages: ExpertPages, drafter: LlamaModel | None = None,
+                 router: tuple | None = None, name: str = "ar"):
+        if drafter is not None and build_info().get("LLAMAFILE") == "1":
+            raise LlamaCppError(
+                "this llama.cpp build multiplies with llamafile's sgemm, whose results depend on the batch size: a "
+                "verify block would not compute what one-token AR steps compute, and speculation would not be exact. "
+                "Rebuild: CMAKE_ARGS='-DGGML_NATIVE=OFF -DGGML_LLAMAFILE=OFF' pip install --no-cache-dir "
+                "--force-reinstall llama-cpp-python==0.3.36 (README)")
+        if drafter is not None and router is None:
+            raise ValueError("a drafter needs the target's router (ModelConfig, biases) to predict verifier experts")
+        self.target, self.drafter, self.pages, self.router, self.name = target, drafter, pages, router, name
+        self.ledger = Ledger()
         self.page_cache_bytes = 0  # expert bytes that entered the page cache (read-around included)
-        self.prefetched: set[tuple[int, int]] = set()  # this round's prefetches
 
-    def close(self) -> None:
-        for m in self.models:
-            m.close()
-        self.pages.close()
-
-    def _start(self, *models: LlamaModel) -> None:
-        self.ledger.reset()
-        self.page_cache_bytes = 0
-        for m in models:
-            m.reset()
-        self.pages.evict()
-
-    def _stats(self) -> dict:
-        return {"ledger": self.ledger.summary(), "page_cache_bytes": self.page_cache_bytes}
-
-    def forward(self, model: LlamaModel, tokens: list[int], phase: str) -> np.ndarray:
+    def _forward(self, model: LlamaModel, tokens: list[int], phase: str) -> torch.Tensor:
         before = self.pages.snapshot()
         with self.ledger.forward(phase, len(tokens)):
-            logits = model.eval(tokens)
+            logits = model.eval(tokens).copy()  # llama.cpp's buffer is rewritten by later evals
             after = self.pages.snapshot()
             for layer, idx in sorted(model.topk.items()):
                 es = np.unique(idx)
                 loads = sum(not self.pages.resident(before, layer, int(e)) for e in es)
                 self.ledger.record(layer, len(es), loads, loads * self.pages.nbytes[layer], float("nan"))
         self.page_cache_bytes += (self.pages.expert_pages(after) - self.pages.expert_pages(before)) * PAGE
-        return logits
+        return torch.from_numpy(logits)
 
+    def start(self, capacity: int) -> None:
+        self.ledger.reset()
+        self.page_cache_bytes = 0
+        for m in (self.target, self.drafter):
+            if m is not None:
+                m.reset()
+        self.pages.evict()
 
-class LlamaARDecoder(_Engine):
-    """AR offload on llama.cpp (greedy): one eval per token, experts evicted after each step."""
+    def prefill(self, ids: list[int]) -> torch.Tensor:
+        return self._forward(self.target, ids, "prefill")[-1]
 
-    name = "ar"
+    def prefill_draft(self, ids: list[int]) -> None:
+        self._forward(self.drafter, ids, "prefill-draft")
 
-    def __init__(self, target: LlamaModel, pages: ExpertPages):
-        super().__init__(pages)
-        self.target, self.models = target, (target,)
+    def decode_one_token(self, token: int) -> torch.Tensor:
+        return self._forward(self.target, [token], "ar")[-1]
 
-    def generate(self, prompt_ids: list[int], max_new_tokens: int, eos_token_id: int | None = None) -> DecodeOutput:
-        self._start(self.target)
-        t0 = time.perf_counter()
-        tokens = [int(self.forward(self.target, prompt_ids, "prefill")[-1].argmax())]
-        t1 = time.perf_counter()
-        while len(tokens) < max_new_tokens and tokens[-1] != eos_token_id:
-            self.pages.evict()
-            tokens.append(int(self.forward(self.target, tokens[-1:], "ar")[-1].argmax()))
-        t2 = time.perf_counter()
-        return DecodeOutput(tokens=tokens, prefill_s=t1 - t0, decode_s=t2 - t1,
-                            stats=self._stats())
+    @property
+    def draft_length(self) -> int:
+        return self.drafter.n_tokens
 
+    def draft_forward(self, ids: list[int]) -> torch.Tensor:
+        return self._forward(self.drafter, ids, "draft")[-1]
 
-def _route_topk(logits: np.ndarray, k: int, bias: np.ndarray | None) -> np.ndarray:
-    """The target router's top-k from router logits [T, E] (V2: softmax is monotone; V3: sigmoid + bias)."""
-    score = logits if bias is None else 1.0 / (1.0 + np.exp(-logits)) + bias
-    return np.argsort(-score, axis=-1, kind="stable")[:, :k]
+    def draft_ran(self) -> set[tuple[int, int]]:
+        return routed(self.drafter)
 
+    def predicted(self) -> set[tuple[int, int]]:
+        cfg, bias = self.router
+        return {(layer, e) for layer, z in self.drafter.router_logits.items()
+                for e in route(torch.from_numpy(z[-1:]), cfg, cfg.top_k, bias.get(layer))[1][0].tolist()}
 
-class LlamaSpeculativeDecoder(_Engine):
-    """Exact self-speculative decoding on llama.cpp (greedy), phases as in `speculative.py`.
+    def resident(self) -> set[tuple[int, int]]:
+        return self.pages.resident_experts(self.pages.snapshot())
 
-    Ê_i (predicted verifier experts of v_i's position) = the top-k of the draft router's logits
-    (`ffn_moe_logits`) when the drafter consumes v_i, chosen as the target router chooses
-    (`bias[l]`: V3's correction bias). x_0's experts seed Û_0 and are never charged."""
+    def prefetch(self, keys: set[tuple[int, int]]) -> set[tuple[int, int]]:
+        self.ledger.record_prefetch(len(keys), self.pages.prefetch(keys))
+        return set(keys)
 
-    def __init__(self, target: LlamaModel, drafter: LlamaModel, pages: ExpertPages, config: SpecConfig,
-                 top_k: int, bias: dict[int, np.ndarray] | None = None, name: str = "draftexpert"):
-        if config.temperature > 0:
-            raise ValueError("the llama.cpp engine decodes greedily (temperature 0)")
-        if build_info().get("LLAMAFILE") == "1":
-            raise LlamaCppError(
-                "this llama.cpp build multiplies with llamafile's sgemm, whose results depend on the batch size: a "
-                "verify block would not compute what one-token AR steps compute, and speculation would not be exact. "
-                "Rebuild: CMAKE_ARGS='-DGGML_NATIVE=OFF -DGGML_LLAMAFILE=OFF' pip install --no-cache-dir "
-                "--force-reinstall llama-cpp-python==0.3.36 (README)")
-        super().__init__(pages)
-        self.target, self.drafter, self.cfg, self.top_k = target, drafter, config, top_k
-        self.models = (target, drafter)
-        self.bias, self.name = bias or {}, name
+    def verify(self, start: int, ids: list[int]) -> torch.Tensor:
+        self.target.rollback(start)
+        return self._forward(self.target, ids, "verify")
 
-    def _draft_forward(self, tokens: list[int], out: Draft) -> np.ndarray:
-        logits = self.forward(self.drafter, tokens, "draft")[-1]
-        out.touched |= routed(self.drafter)
-        return logits
+    def routed(self) -> set[tuple[int, int]]:
+        return routed(self.target)
 
-    def _predicted(self) -> set[tuple[int, int]]:
-        return {(layer, int(e)) for layer, z in self.drafter.router_logits.items()
-                for e in _route_topk(z[-1:], self.top_k, self.bias.get(layer))[0]}
+    def commit(self, length: int) -> None:
+        self.target.rollback(length)  # drop rejected positions (and the last token's)
+        if self.drafter is not None:
+            self.drafter.rollback(min(self.drafter.n_tokens, length))
 
-    def _keep(self, out: Draft, predicted: set) -> None:
-        new = predicted - out.predicted
-        out.predicted |= predicted
-        if self.cfg.prefetch and new:
-            self.ledger.record_prefetch(len(new), self.pages.prefetch(new))
-            self.prefetched |= new
+    def begin_round(self) -> None:
+        self.pages.evict()  # cold: nothing staged survives a round (torch engine: end_block)
 
-    def draft(self, committed: list[int], k_limit: int) -> Draft:
-        """draft → truncate → prefetch, as `SpeculativeDecoder.draft` (greedy)."""
-        cfg = self.cfg
-        look_ahead = cfg.truncate or cfg.prefetch
-        out = Draft([], [], set(), set(), False)
-        logits = self._draft_forward(committed[self.drafter.n_tokens:], out)  # consumes x_0 (and any pending)
-        self._keep(out, self._predicted())
-        for i in range(1, k_limit + 1):
-            z = logits - logits.max()
-            q = np.exp(z) / np.exp(z).sum()
-            v = int(q.argmax())
-            touched_now = len(out.touched)
-            if i < k_limit or look_ahead:
-                logits = self._draft_forward([v], out)
-                predicted = self._predicted()
-                new = predicted - out.predicted
-                if cfg.budget_mode == "cache":
-                    snap = self.pages.snapshot()
-                    new = {(l, e) for l, e in new if not self.pages.resident(snap, l, e)}
-                if cfg.truncate and float(q[v]) < cfg.tau and len(new) > cfg.budget:  # Eq. 14
-                    out.truncated = True
-                    break
-                self._keep(out, predicted)
-            out.tokens.append(v)
-            out.touched_at.append(touched_now)
-        return out
+    def end_round(self) -> None:
+        pass
 
-    def generate(self, prompt_ids: list[int], max_new_tokens: int, eos_token_id: int | None = None) -> DecodeOutput:
-        cfg = self.cfg
-        self._start(self.target, self.drafter)
-        t0 = time.perf_counter()
-        first = int(self.forward(self.target, prompt_ids, "prefill")[-1].argmax())
-        self.forward(self.drafter, prompt_ids, "prefill-draft")
-        t1 = time.perf_counter()
-        committed, tokens = list(prompt_ids) + [first], [first]
-        stats = RoundStats(cfg.k_max)
-        while len(tokens) < max_new_tokens and tokens[-1] != eos_token_id:
-            self.pages.evict()  # cold: nothing staged survives a round (torch engine: end_block)
-            self.prefetched = set()
-            k_limit = min(cfg.k_max, max_new_tokens - len(tokens) - 1)
-            draft = self.draft(committed, k_limit) if k_limit > 0 else Draft([], [], set(), set(), False)
-            snap = self.pages.snapshot()
-            resident = {(l, e) for l, e in draft.touched | self.prefetched if self.pages.resident(snap, l, e)}
-            logits = self.verify(committed, draft.tokens)
-            needed = routed(self.target)
-            hits, waste = len(self.prefetched & needed), len(self.prefetched - needed)
-            self.ledger.record_prefetch_outcome(hits, waste, len(needed - resident - self.prefetched))
-            emitted, accepted = self.accept(draft, logits)
-            if eos_token_id in emitted:
-                emitted = emitted[:emitted.index(eos_token_id) + 1]
-            emitted = emitted[:max_new_tokens - len(tokens)]
-            stats.add(draft, min(accepted, len(emitted)), verify_unique=len(needed))
-            committed += emitted
-            tokens += emitted
-            self.target.rollback(len(committed) - 1)  # drop rejected positions (and the last token's)
-            self.drafter.rollback(min(self.drafter.n_tokens, len(committed) - 1))
-        t2 = time.perf_counter()
-        return DecodeOutput(tokens=tokens, prefill_s=t1 - t0, decode_s=t2 - t1,
-                            stats={**stats.summary(), **self._stats()})
+    def stats(self) -> dict:
+        return {"ledger": self.ledger.summary(), "page_cache_bytes": self.page_cache_bytes}
 
-    def verify(self, committed: list[int], draft: list[int]) -> np.ndarray:
-        """Target logits [K+1, V] at [x_0, v_1 … v_K] in one eval; position j judges v_{j+1}."""
-        self.target.rollback(len(committed) - 1)
-        return self.forward(self.target, committed[-1:] + draft, "verify")
-
-    @staticmethod
-    def accept(draft: Draft, logits: np.ndarray) -> tuple[list[int], int]:
-        return greedy_accept(draft.tokens, logits.argmax(-1).tolist())
+    def close(self) -> None:
+        for m in (self.target, self.drafter):
+            if m is not None:
+                m.close()
+        self.pages.close()

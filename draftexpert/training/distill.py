@@ -5,7 +5,7 @@ Paths, on the same teacher-forced tokens x [B, T] through the frozen transformer
   target path  the unmodified model: h*_l enters MoE layer l, y*_l leaves it, z* are the logits.
   draft path   every MoE layer computes y^d_l = S_l(h^d) + g_{l,e1} E_{l,e1}(h^d) + γ_l E^d_l(h^d)
                (Eq. 5), e1 the router's first choice on h^d; z^d are its logits. The gate weight
-               g_{l,e1} is the target's weight for e1 (see `draftexpert.drafters`).
+               g_{l,e1} is the target's weight for e1 (see `draftexpert.speculation.drafters`).
 Losses (each term a mean over tokens, and over MoE layers for the per-layer terms):
   L_res    = ‖γ_l E^d_l(h^d_l) − m*_l‖²,  m*_l = y*_l − S_l(h*_l) − g_{l,e1} E_{l,e1}(h*_l)   (Eq. 6–7)
              the draft expert sees the draft path's state (what it sees when drafting); the
@@ -29,8 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from draftexpert.drafters import DraftExperts
-from draftexpert.model import ModelConfig, route
+from draftexpert.speculation.drafters import DraftExperts
+from draftexpert.runtime.model import ModelConfig, route
 
 # Table 5's rows, cumulative: which terms each preset switches on (weights α, β, η below).
 PRESETS = {

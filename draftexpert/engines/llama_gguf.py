@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from draftexpert.gguf_experts import ARCH, TYPES, _qtype, finish_atomic
+from draftexpert.runtime.gguf_experts import ARCH, TYPES, _qtype, finish_atomic
 
 N_SPLITS = 2
 
@@ -135,7 +135,7 @@ def head_tensors(folder: Path, cfg, draft=None):
     (DraftExperts) each MoE layer's shared expert carries the draft expert (module docstring)."""
     import gguf
 
-    from draftexpert.loader import Checkpoint
+    from draftexpert.runtime.loader import Checkpoint
 
     ckpt = Checkpoint(folder)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.DEEPSEEK2, cfg.num_hidden_layers)
@@ -185,7 +185,7 @@ def write_head(folder: Path, path: Path, qtype: str, draft=None) -> Path:
     """Split 1 of a model (the target's, or a DraftExpert drafter's when `draft` is given), atomically."""
     import gguf
 
-    from draftexpert.loader import load_config
+    from draftexpert.runtime.loader import load_config
 
     if qtype not in TYPES:
         raise ValueError(f"unsupported weight type {qtype!r}; choose one of {', '.join(TYPES)}")

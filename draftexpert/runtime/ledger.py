@@ -7,16 +7,14 @@ Per forward (one call of the model on T tokens), with phase ∈ {prefill, ar, dr
   bytes       bytes read from the expert store for those loads (file bytes on flash: Q4_0 is 4.5 bits/weight)
   stall_s     wall seconds the forward waited for loads to finish
   wall_s      wall seconds of the forward
-  compute_s   = wall_s − stall_s
   per_layer   the same counters for each MoE layer
 Prefetch (speculation; outside any forward):
   issued      loads started by draft-router prefetch                 bytes: their bytes
   hits        issued and used by the round's verification
   waste       issued and not used by it                               = issued − hits
   misses      verifier experts needed, not resident at verify start, not prefetched (loaded on demand)
-  hit rate    = hits / issued          coverage = hits / (hits + misses)
-Totals sum these over forwards; `summary()` also splits them by phase. The loading share of
-decode time (Fig. 1b) is Σ stall_s / Σ wall_s over the decode phases.
+Counters only: totals sum them over forwards, `summary()` also splits them by phase; every ratio
+(loading share, hit rate, coverage, …) is derived once, in `draftexpert.metrics`.
 """
 from __future__ import annotations
 
@@ -85,13 +83,11 @@ class Ledger:
         self.prefetch = dict.fromkeys(PREFETCH_COUNTERS, 0)
 
     def summary(self) -> dict:
-        """Totals, by phase, and per-layer totals; `loading_share` = stall_s / wall_s."""
+        """Totals, by phase, and per-layer totals (counters: see the module docstring)."""
         def agg(recs):
             out = {k: sum(getattr(r, k) for r in recs) for k in (*COUNTERS, "wall_s")}
-            out["compute_s"] = out["wall_s"] - out["stall_s"]
             out["forwards"] = len(recs)
             out["tokens"] = sum(r.tokens for r in recs)
-            out["loading_share"] = out["stall_s"] / out["wall_s"] if out["wall_s"] > 0 else 0.0
             return out
 
         per_layer: dict[int, dict] = defaultdict(lambda: dict.fromkeys(COUNTERS, 0))
@@ -100,8 +96,5 @@ class Ledger:
                 for k in COUNTERS:
                     per_layer[layer][k] += c[k]
         phases = sorted({r.phase for r in self.forwards})
-        pf = dict(self.prefetch)
-        pf["hit_rate"] = pf["hits"] / pf["issued"] if pf["issued"] else 0.0
-        pf["coverage"] = pf["hits"] / (pf["hits"] + pf["misses"]) if pf["hits"] + pf["misses"] else 0.0
-        return {"total": agg(self.forwards), "prefetch": pf, "by_phase": {p: agg([r for r in self.forwards if r.phase == p]) for p in phases},
+        return {"total": agg(self.forwards), "prefetch": dict(self.prefetch), "by_phase": {p: agg([r for r in self.forwards if r.phase == p]) for p in phases},
                 "per_layer": {str(k): v for k, v in sorted(per_layer.items())}}

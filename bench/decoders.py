@@ -1,0 +1,171 @@
+"""The decoder factory: a method on a platform and an engine → (decoder, tokenizer, cell config).
+
+Every method is one of two decoders over an engine (`draftexpert.decoding.Engine`): AR offload
+(`baselines.ar`) or the speculative round (`draftexpert.speculation.round`); the engine is the
+torch runtime (platforms resident / cg / mn) or llama.cpp (platform mn). The cell config's
+`method_args` name everything that changes what a cell measures (they are hashed into its key).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+
+from bench.artifacts import llama_head_for, load_draft_experts_for
+from bench.prompts import render_prompt
+from bench.runner import CellConfig
+from draftexpert.speculation.round import SpecConfig
+
+PLATFORMS = {"mn": "flash", "cg": "host", "resident": "resident"}  # platform → expert store (torch engine)
+METHODS = ("ar", "reference", "top-r", "draftexpert")
+ENGINES = ("torch", "llama.cpp")
+LLAMA_STAGING = "mmap page faults; expert pages evicted after every step/round (madvise + fadvise DONTNEED)"
+
+
+@dataclass(frozen=True)
+class SpecOptions:
+    """A speculative method's options, built once (CLI, compare sets, reproduce): the drafter's
+    (`r` routed experts for top-r; the `draft_experts` checkpoint for DraftExpert — default the
+    model's distilled `full` preset, else zero) and the round's (`SpecConfig`)."""
+
+    r: int = 1
+    draft_experts: Path | None = None
+    round: SpecConfig = field(default_factory=SpecConfig)
+
+    def with_(self, **overrides) -> SpecOptions:
+        """The same options with some changed; a key is the drafter's or a `SpecConfig` field."""
+        own = {k: overrides.pop(k) for k in ("r", "draft_experts") if k in overrides}
+        unknown = set(overrides) - {f.name for f in fields(SpecConfig)}
+        if unknown:
+            raise ValueError(f"unknown speculation option(s): {', '.join(sorted(unknown))}")
+        return replace(self, **own, round=replace(self.round, **overrides))
+
+    def as_dict(self) -> dict:
+        return {"r": self.r, "draft_experts": str(self.draft_experts) if self.draft_experts else None,
+                **asdict(self.round)}
+
+
+def _tokenizer(folder: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder, local_files_only=True)
+
+
+def _round_args(conf: SpecConfig, *drop: str) -> dict:
+    return {k: v for k, v in asdict(conf).items() if k not in ("temperature", "seed", *drop)}
+
+
+def make_llama_decoder(model: str, folder: Path, method: str, expert_type: str, expert_file: Callable[[str], Path],
+                       spec: SpecOptions, threads: int, max_new_tokens: int, temperature: float = 0.0):
+    """(decoder, tokenizer, cell config) on the llama.cpp engine (platform mn, greedy)."""
+    from baselines.ar import AROffloadDecoder
+    from draftexpert.engines.llamacpp import ExpertPages, LlamaEngine, LlamaModel, require_llama_cpp
+    from draftexpert.runtime.loader import load_config, load_router
+    from draftexpert.speculation.drafters import DraftExperts
+    from draftexpert.speculation.round import SpeculativeDecoder
+
+    if method not in ("ar", "top-r", "draftexpert"):
+        raise ValueError(f"--method {method} does not run on the llama.cpp engine (ar, top-r, draftexpert do)")
+    if temperature > 0:
+        raise ValueError("--temperature: the llama.cpp engine decodes greedily; use the torch engine to sample")
+    require_llama_cpp()
+    tokenizer = _tokenizer(folder)
+    experts = expert_file(expert_type)
+    n_ctx = 2048
+    kv = "f32" if expert_type == "f32" else "f16"  # an f32 model keeps an f32 cache; else llama.cpp's f16
+    target_head = llama_head_for(model, folder, expert_type, experts)
+    args = {"expert_type": expert_type, "threads": threads, "kv_type": kv, "staging": LLAMA_STAGING}
+    if method == "ar":
+        engine = LlamaEngine(LlamaModel(target_head, n_ctx, threads, kv_type=kv), ExpertPages(experts))
+        decoder = AROffloadDecoder(engine)
+    else:
+        conf = replace(spec.round, draft_cache="shared")  # llama.cpp: the drafter always has its own context
+        if method == "top-r":
+            drafter_head, used, name = target_head, spec.r, f"top-{spec.r}"
+            args["r"] = spec.r
+        else:
+            draft, meta = load_draft_experts_for(model, folder, spec.draft_experts)
+            if draft is None:
+                hf = load_config(folder)
+                draft = DraftExperts.zeros(list(range(hf.first_k_dense_replace, hf.num_hidden_layers)),
+                                           hf.hidden_size, hf.moe_intermediate_size)
+            drafter_head, used, name = llama_head_for(model, folder, expert_type, experts, draft,
+                                                      meta.get("sha256") or "zero"), None, method
+            args["draft_experts"] = meta
+        target = LlamaModel(target_head, n_ctx, threads, kv_type=kv)
+        drafter = LlamaModel(drafter_head, n_ctx, threads, used_experts=used, tap_router_logits=True, kv_type=kv)
+        engine = LlamaEngine(target, ExpertPages(experts), drafter, load_router(folder), name=name)
+        decoder = SpeculativeDecoder(engine, conf)
+        args.update(_round_args(conf, "draft_cache"))
+    cfg = CellConfig(model=model, method=method, platform="mn", engine="llama.cpp", max_new_tokens=max_new_tokens,
+                     method_args=args)
+    return decoder, tokenizer, cfg
+
+
+def make_decoder(model: str, folder: Path, method: str, platform: str, expert_type: str = "q4_0",
+                 cache_experts: int = 0, staging_budget: int = 0, temperature: float = 0.0, seed: int = 0,
+                 max_new_tokens: int = 64, expert_file: Callable[[str], Path] | None = None,
+                 spec: SpecOptions = SpecOptions(), compile: bool = False, engine: str = "torch"):
+    """(decoder, tokenizer, cell config) for a method on a platform. `expert_file(type)` gives
+    the GGUF expert file of the checkpoint (written once) for platform mn; `spec` the speculative
+    methods' options. `engine`: torch, or llama.cpp (platform mn)."""
+    import torch
+
+    if engine not in ENGINES:
+        raise ValueError(f"--engine: {engine!r} is not one of {', '.join(ENGINES)}")
+    if engine == "llama.cpp":
+        if platform != "mn":
+            raise ValueError(f"--platform: the llama.cpp engine runs platform mn (experts from storage), not {platform}")
+        if compile:
+            raise ValueError("--compile applies to the torch engine only")
+        return make_llama_decoder(model, folder, method, expert_type, expert_file, spec, torch.get_num_threads(),
+                                  max_new_tokens, temperature)
+
+    tokenizer = _tokenizer(folder)
+    if method == "reference":
+        from draftexpert.engines.reference import ReferenceDecoder
+        from draftexpert.runtime.checkpoint import load_target
+
+        cfg = CellConfig(model=model, method=method, platform="resident", max_new_tokens=max_new_tokens)
+        return ReferenceDecoder(load_target(folder)[0]), tokenizer, cfg
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; available: {', '.join(METHODS)}")
+    from draftexpert.engines.torch_engine import TorchEngine
+    from draftexpert.runtime.loader import build_model
+
+    store = PLATFORMS[platform]
+    device = "cuda" if platform == "cg" and torch.cuda.is_available() else "cpu"
+    gguf = expert_file(expert_type) if store == "flash" else None
+    target = build_model(folder, store, device=device, gguf_path=gguf, cache_experts=cache_experts,
+                         staging_budget_bytes=staging_budget)
+    args = {"store": store, "device": device, "cache_experts": cache_experts}
+    if compile:  # recorded only when on, so earlier eager cells keep their keys
+        target.compile_decode()
+        args["compiled"] = True
+    if store == "flash":
+        args.update(expert_type=expert_type, staging_budget=staging_budget)
+    if method == "ar":
+        from baselines.ar import AROffloadDecoder
+
+        decoder = AROffloadDecoder(TorchEngine(target), temperature=temperature, seed=seed)
+    else:
+        from draftexpert.speculation.drafters import make_draft_path
+        from draftexpert.speculation.round import SpeculativeDecoder
+
+        conf = replace(spec.round, temperature=temperature, seed=seed)
+        experts, de_meta = (load_draft_experts_for(model, folder, spec.draft_experts) if method == "draftexpert"
+                            else (None, None))
+        path = make_draft_path(target, method, r=spec.r, experts=experts)
+        decoder = SpeculativeDecoder(TorchEngine(target, path, conf.draft_cache), conf)
+        args.update(_round_args(conf))
+        if method == "top-r":
+            args["r"] = spec.r
+        else:
+            args["draft_experts"] = de_meta
+    if compile:  # compile every shape the method uses now, not inside the first prompt's timing
+        decoder.generate(render_prompt(tokenizer, "warm-up"), 12, None)
+        if store != "resident":
+            target.experts.cache.clear()
+    cfg = CellConfig(model=model, method=method, platform=platform, max_new_tokens=max_new_tokens,
+                     temperature=temperature, seed=seed, method_args=args)
+    return decoder, tokenizer, cfg

@@ -1,0 +1,207 @@
+"""Exact self-speculative decoding (Algorithm 1), written once over the `Engine` protocol
+(`draftexpert.decoding`): the torch runtime and llama.cpp run this same round.
+
+One round, phases named as the paper names them:
+  draft     the drafter (a `DraftPath` of the same weights) proposes v_1 … v_K, K ≤ K_max, one
+            token per forward; each forward also yields the confidence q_i of v_i and, for the
+            token it consumes, the draft router's top-k experts at every MoE layer — the
+            predicted verifier experts of that position.
+  truncate  the controller (`controller`, Eq. 12–14) stops before appending v_i when q_i < τ and
+            the marginal expansion Δ_i = |Û_i| − |Û_{i−1}| exceeds the budget B_i.
+  prefetch  as v_i is kept, non-blocking loads of Ê_{·,i} not cached, not in flight, not moved yet.
+  verify    one multi-token forward of the frozen target over [x_0, v_1 … v_K] (x_0 = the last
+            committed token); it waits only for the transfers it uses, loads misses on demand.
+  accept    greedy: the longest prefix with v_j = argmax p_j, plus the target's own next token.
+            Sampling (T > 0): accept v_j with probability min(1, p_j(v_j) / q_j(v_j)); on the first
+            rejection emit a draw from norm(max(0, p_j − q_j)); if all K pass, a draw from p_{K+1}.
+            Either way the emitted tokens are distributed as the target's (Leviathan et al. 2023).
+  commit    append the emitted tokens, crop the KV cache(s) back to the committed length.
+
+Definitions (stated once; the controller, prefetch and ledger all use them):
+- q_i = softmax(z^d_i / T)(v_i), the draft's probability of its own proposal: at greedy
+  (T = 1 for the confidence) the draft's max probability.
+- Ê_{l,i} = the draft router's top-k at layer l when the drafter consumes v_i: keeping v_i adds
+  exactly one position (v_i's) to the verify block, and these are the experts that position is
+  predicted to need. Û_0 = Ê_{·,0} (x_0's experts: verified even when nothing is drafted, so
+  never charged to a draft token); Û_i = Û_{i−1} ∪ ⋃_l Ê_{l,i} (Eq. 12). So the controller and
+  prefetch see every verify position, v_K's included, the drafter consumes the last kept token
+  too — one draft forward more than K when truncation or prefetch is on (plain fixed-K top-r
+  drafting, with neither, runs K forwards).
+- B_i: `budget_mode="fixed"` — B_i = B; `"cache"` — Δ_i counts only experts that are not already
+  on the accelerator (cached or moved earlier in the round), i.e. B_i = B + |new ∩ resident|.
+- The drafter's KV cache (`draft_cache`, the torch engine): `"shared"` (default) — the drafter
+  attends to the target's own cache for committed tokens and writes its draft positions past
+  them; verification crops those and rewrites them with the target's K/V. No draft prefill, no
+  second cache, and the draft conditions on the exact target context. `"own"` — a separate cache
+  filled by the draft path, prompt prefill included (its loads are counted in phase
+  `prefill-draft`). llama.cpp's drafter is a second context: always its own cache.
+- Accounting, the same on every engine: `prefetched` = the keys the round's prefetches were
+  issued for; `resident` = what was on the accelerator when verification started, less those;
+  hits = prefetched ∩ needed, waste = prefetched − needed, misses = needed − resident − prefetched
+  (loaded on demand by the verify pass), needed = the experts the verify pass routed.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from draftexpert.decoding import DecodeOutput, Engine, Key, probs, sample
+from draftexpert.metrics import RoundStats
+from draftexpert.speculation.controller import expansion, stop
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    k_max: int = 4
+    tau: float = 0.6  # confidence threshold τ
+    budget: int = 24  # B: layer-experts a token may add to the verify set when unconfident
+    budget_mode: str = "fixed"  # fixed | cache
+    truncate: bool = True  # False: the fixed-K ablation
+    prefetch: bool = True
+    draft_cache: str = "shared"  # shared | own (the torch engine; llama.cpp's drafter always has its own)
+    temperature: float = 0.0
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.k_max < 1:
+            raise ValueError(f"k_max must be ≥ 1, got {self.k_max}")
+        if self.budget_mode not in ("fixed", "cache"):
+            raise ValueError(f"budget_mode must be 'fixed' or 'cache', got {self.budget_mode!r}")
+        if self.draft_cache not in ("shared", "own"):
+            raise ValueError(f"draft_cache must be 'shared' or 'own', got {self.draft_cache!r}")
+
+
+@dataclass
+class Draft:
+    """One round's kept proposals: tokens v_1 … v_K, the draft distributions q_j [V] (sampling
+    only), the predicted verifier set Û_K, the layer-experts the drafter ran, and those its
+    prefetches were issued for."""
+
+    tokens: list[int] = field(default_factory=list)
+    q: list[torch.Tensor] = field(default_factory=list)
+    predicted: set[Key] = field(default_factory=set)
+    touched: set[Key] = field(default_factory=set)
+    truncated: bool = False
+    touched_at: list[int] = field(default_factory=list)  # |touched| when v_j was proposed (Fig. 3)
+    prefetched: set[Key] = field(default_factory=set)
+
+
+def greedy_accept(draft_tokens: list[int], target_argmax: list[int]) -> tuple[list[int], int]:
+    """(emitted, accepted): the longest prefix with v_j = argmax p_j, plus the target's own next
+    token (`target_argmax` has one entry per verify position, K + 1)."""
+    n = 0
+    while n < len(draft_tokens) and draft_tokens[n] == target_argmax[n]:
+        n += 1
+    return draft_tokens[:n] + [target_argmax[n]], n
+
+
+def sampled_accept(draft: Draft, logits: torch.Tensor, temperature: float, gen) -> tuple[list[int], int]:
+    """Accept v_j with probability min(1, p_j(v_j) / q_j(v_j)); on the first rejection emit a draw
+    from norm(max(0, p_j − q_j)); if all K pass, a draw from p_{K+1} (Leviathan et al. 2023)."""
+    for j, v in enumerate(draft.tokens):
+        p, q = probs(logits[j], temperature), draft.q[j]
+        if torch.rand((), generator=gen) < torch.clamp(p[v] / q[v], max=1.0):
+            continue
+        residual = torch.clamp(p - q, min=0.0)
+        return draft.tokens[:j] + [int(torch.multinomial(residual / residual.sum(), 1, generator=gen))], j
+    return draft.tokens + [sample(logits[-1], temperature, gen)], len(draft.tokens)
+
+
+class SpeculativeDecoder:
+    """`Decoder` contract: exact self-speculative decoding on `engine` (its drafter proposes)."""
+
+    def __init__(self, engine: Engine, config: SpecConfig = SpecConfig(), trace: list | None = None):
+        self.engine, self.cfg = engine, config
+        self.name = engine.name
+        self.trace = trace  # when a list: one dict per round (sets and tokens) for audits and tests
+
+    def close(self) -> None:
+        self.engine.close()
+
+    # -- phases ---------------------------------------------------------------------------
+    def draft(self, committed: list[int], k_limit: int, gen) -> Draft:
+        """Propose up to k_limit tokens on the draft path (draft → truncate → prefetch)."""
+        cfg, eng = self.cfg, self.engine
+        look_ahead = cfg.truncate or cfg.prefetch  # they need Ê of every kept token, the last one included
+        out = Draft()
+        logits = self._draft_forward(committed[eng.draft_length:], out)  # consumes x_0 (and any pending)
+        self._keep(out, eng.predicted())  # x_0 is verified whatever is drafted: never truncated
+        for i in range(1, k_limit + 1):
+            q = probs(logits, cfg.temperature)
+            v = int(torch.multinomial(q, 1, generator=gen)) if cfg.temperature > 0 else int(q.argmax())
+            touched_now = len(out.touched)  # the drafter's footprint for proposing v_1 … v_i
+            if i < k_limit or look_ahead:
+                logits = self._draft_forward([v], out)  # consumes v_i: its verify experts Ê_i
+                predicted = eng.predicted()
+                if cfg.truncate:
+                    delta = expansion(predicted, out.predicted, eng.resident() if cfg.budget_mode == "cache" else None)
+                    if stop(float(q[v]), delta, cfg.tau, cfg.budget):  # Eq. 14
+                        out.truncated = True
+                        break
+                self._keep(out, predicted)
+            out.tokens.append(v)
+            out.q.append(q)
+            out.touched_at.append(touched_now)
+        return out
+
+    def _draft_forward(self, ids: list[int], out: Draft) -> torch.Tensor:
+        logits = self.engine.draft_forward(ids)
+        out.touched |= self.engine.draft_ran()
+        return logits
+
+    def _keep(self, out: Draft, predicted: set[Key]) -> None:
+        """Û_i = Û_{i−1} ∪ Ê_i (Eq. 12); prefetch what is new to Û."""
+        new = predicted - out.predicted
+        out.predicted |= predicted
+        if self.cfg.prefetch and new:
+            out.prefetched |= self.engine.prefetch(new)
+
+    def verify(self, committed: list[int], draft: list[int]) -> torch.Tensor:
+        """Target logits [K+1, V] at [x_0, v_1 … v_K]; position j judges v_{j+1}."""
+        return self.engine.verify(len(committed) - 1, committed[-1:] + draft)
+
+    def accept(self, draft: Draft, logits: torch.Tensor, gen) -> tuple[list[int], int]:
+        """(emitted tokens, accepted draft tokens): the accepted prefix + one token of the target's.
+        Either way the emitted tokens are distributed as the target's."""
+        if self.cfg.temperature <= 0:
+            return greedy_accept(draft.tokens, logits.argmax(-1).tolist())
+        return sampled_accept(draft, logits, self.cfg.temperature, gen)
+
+    # -- the loop -------------------------------------------------------------------------
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, eos_token_id: int | None = None) -> DecodeOutput:
+        cfg, eng = self.cfg, self.engine
+        gen = torch.Generator().manual_seed(cfg.seed) if cfg.temperature > 0 else None
+        eng.start(len(prompt_ids) + max_new_tokens + cfg.k_max + 1)
+        t0 = time.perf_counter()
+        first = sample(eng.prefill(prompt_ids), cfg.temperature, gen)
+        eng.prefill_draft(prompt_ids)
+        t1 = time.perf_counter()
+        committed, tokens = list(prompt_ids) + [first], [first]
+        stats = RoundStats(cfg.k_max)
+        while len(tokens) < max_new_tokens and tokens[-1] != eos_token_id:
+            k_limit = min(cfg.k_max, max_new_tokens - len(tokens) - 1)
+            eng.begin_round()
+            draft = self.draft(committed, k_limit, gen) if k_limit > 0 else Draft()
+            resident = eng.resident() - draft.prefetched  # moved by the drafter, or cached
+            logits = self.verify(committed, draft.tokens)
+            needed = eng.routed()
+            eng.end_round()
+            pf = draft.prefetched
+            eng.ledger.record_prefetch_outcome(len(pf & needed), len(pf - needed), len(needed - resident - pf))
+            emitted, accepted = self.accept(draft, logits, gen)
+            if eos_token_id in emitted:
+                emitted = emitted[:emitted.index(eos_token_id) + 1]
+            emitted = emitted[:max_new_tokens - len(tokens)]
+            stats.add(draft, min(accepted, len(emitted)), verify_unique=len(needed))
+            if self.trace is not None:
+                self.trace.append({"start": len(committed) - 1, "block": committed[-1:] + draft.tokens,
+                                   "emitted": emitted, "touched": draft.touched, "predicted": draft.predicted,
+                                   "needed": needed, "prefetched": pf, "resident": resident})
+            committed += emitted
+            tokens += emitted
+            eng.commit(len(committed) - 1)  # drop K/V of rejected positions (and of the last token)
+        t2 = time.perf_counter()
+        return DecodeOutput(tokens=tokens, prefill_s=t1 - t0, decode_s=t2 - t1,
+                            stats={**stats.counters(), **eng.stats()})

@@ -1,0 +1,1 @@
+"""Training of draft experts: self-distillation from the frozen target (`distill`)."""
