@@ -111,7 +111,7 @@ def _size(gib: float) -> str:
 
 
 @app.command()
-def params(model: Annotated[str, typer.Option("--model", help="ds | ml | ds-tiny | ml-tiny")] = "ds",
+def params(model: ModelOpt = "ds",
            model_path: ModelPathOpt = None, as_json: JsonOpt = False):
     """Parameter breakdown from the config alone (Fig. 1a): routed experts vs everything else."""
     from draftexpert.runtime.params import breakdown
@@ -229,7 +229,7 @@ def expert_file(model: str, folder: Path, qtype: str, out: Path | None = None) -
 
 
 @app.command()
-def convert(model: Annotated[str, typer.Option("--model", help="ds | ml | ds-tiny | ml-tiny")] = "ds-tiny",
+def convert(model: ModelOpt = "ds-tiny",
             model_path: ModelPathOpt = None,
             to: Annotated[str, typer.Option("--to", help="Target format (gguf).")] = "gguf",
             qtype: Annotated[str, typer.Option("--type", help="f32 | f16 | bf16 | q4_0")] = "q4_0",
@@ -430,7 +430,7 @@ def compare(model: ModelOpt = "ds-tiny", model_path: ModelPathOpt = None,
 
 
 @app.command()
-def crosscheck(model: Annotated[str, typer.Option("--model")] = "ds-tiny", model_path: ModelPathOpt = None,
+def crosscheck(model: ModelOpt = "ds-tiny", model_path: ModelPathOpt = None,
                qtype: Annotated[str, typer.Option("--type", help="f32 | f16 (a quantized file is another model)")] = "f32",
                suite: Annotated[list[str] | None, typer.Option("--suite", help="Prompt suite(s); default all six.")] = None,
                limit: Annotated[int | None, typer.Option("--limit", min=1, help="First N prompts of each suite.")] = None,
@@ -471,7 +471,7 @@ app.add_typer(speed_app, name="speed")
 
 
 @speed_app.command("overhead")
-def speed_overhead(model: Annotated[str, typer.Option("--model")] = "ds-tiny", model_path: ModelPathOpt = None,
+def speed_overhead(model: ModelOpt = "ds-tiny", model_path: ModelPathOpt = None,
                    threads: Annotated[int, typer.Option("--threads", min=1)] = 1,
                    new_tokens: Annotated[int, typer.Option("--new-tokens", min=2)] = 64,
                    repeats: Annotated[int, typer.Option("--repeats", min=1)] = 3,
@@ -501,7 +501,7 @@ def speed_overhead(model: Annotated[str, typer.Option("--model")] = "ds-tiny", m
 
 
 @speed_app.command("flash")
-def speed_flash(model: Annotated[str, typer.Option("--model")] = "ds-tiny", model_path: ModelPathOpt = None,
+def speed_flash(model: ModelOpt = "ds-tiny", model_path: ModelPathOpt = None,
                 expert_type: Annotated[str, typer.Option("--expert-type")] = "bf16",
                 repeats: Annotated[int, typer.Option("--repeats", min=1)] = 20, as_json: JsonOpt = False):
     """One layer's 6 experts through the flash store vs the disk's O_DIRECT bandwidth for the same size."""
@@ -518,7 +518,7 @@ def speed_flash(model: Annotated[str, typer.Option("--model")] = "ds-tiny", mode
 
 
 @speed_app.command("host")
-def speed_host(model: Annotated[str, typer.Option("--model")] = "ds-tiny", model_path: ModelPathOpt = None,
+def speed_host(model: ModelOpt = "ds-tiny", model_path: ModelPathOpt = None,
                repeats: Annotated[int, typer.Option("--repeats", min=1)] = 20, as_json: JsonOpt = False):
     """Platform cg: one layer's top-k experts through the host store vs the accelerator's copy bandwidth."""
     from bench import speed
@@ -655,7 +655,7 @@ def model_eval(model: Annotated[str, typer.Option("--model", help="ds-tiny | ml-
 
 
 @app.command("distill")
-def distill_cmd(model: Annotated[str, typer.Option("--model")] = "ds-tiny", model_path: ModelPathOpt = None,
+def distill_cmd(model: ModelOpt = "ds-tiny", model_path: ModelPathOpt = None,
                 preset: Annotated[str, typer.Option("--preset", help="full | top1 | residual | logit-token | router "
                                                     "(= full, Table 5's last row)")] = "full",
                 steps: Annotated[int, typer.Option("--steps", min=1)] = 600,
@@ -693,7 +693,7 @@ def distill_cmd(model: Annotated[str, typer.Option("--model")] = "ds-tiny", mode
 
 
 @app.command("distill-eval")
-def distill_eval_cmd(model: Annotated[str, typer.Option("--model")] = "ds-tiny", model_path: ModelPathOpt = None,
+def distill_eval_cmd(model: ModelOpt = "ds-tiny", model_path: ModelPathOpt = None,
                      preset: Annotated[list[str] | None, typer.Option("--preset", help="Default: top1, residual, "
                                                                       "logit-token, full.")] = None,
                      limit: Annotated[int, typer.Option("--limit", min=1, help="Prompts per suite for α and "

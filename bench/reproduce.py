@@ -179,6 +179,7 @@ def fig45(results_dir: Path, log, per_suite: int = FIG1B_PER_SUITE) -> list[str]
     from bench.prompts import render_prompt
     from bench.sweep import verify_sweep
     from draftexpert.runtime.loader import build_model
+    from draftexpert import metrics
     from paper_figs import fig45 as render
     from transformers import AutoTokenizer
 
@@ -191,7 +192,7 @@ def fig45(results_dir: Path, log, per_suite: int = FIG1B_PER_SUITE) -> list[str]
         ids = [render_prompt(tok, p["prompt"]) for p in prompts.load(limit=per_suite)]
         rows = verify_sweep(target, ids, SWEEP_LENGTHS, SWEEP_STARTS, log=log)
         target.experts.close()
-        per_model[model] = c = render.curves(rows)
+        per_model[model] = c = metrics.verify_sweep_curves(rows)
         write_json_atomic(results_dir / f"fig45_{model}_mn.json", {"model": model, "rows": rows, "curves": c})
         (results_dir / f"fig45_{model}_mn.md").write_text(
             f"{model} on mn (Q4_0 experts from flash, cold store before each forward, torch engine), {len(ids)} prompts, "

@@ -34,6 +34,10 @@ Derived (`derive`):
 Relative to AR (`relative`):
   speedup             = decode_tps / AR's decode_tps
   verify_cost_x_ar    = verify_forward_s / AR's ar_forward_s            (Table 4)
+The verify-block sweep (Figs. 4–5, `verify_sweep_curves`; one cold forward per (prompt, start, L)):
+  unique(L)           = mean over (prompt, start) of Σ_l |∪ top-k over the block|
+  cost ×AR(L)         = mean over (prompt, start) of wall(L) / wall(1)   (L = 1 is one AR step)
+  linear(L)           = L · unique(1)   (no overlap between the block's positions: the upper bound)
 """
 from __future__ import annotations
 
@@ -178,3 +182,16 @@ def relative(row: dict, ar: dict | None) -> dict:
         return {"speedup": None, "verify_cost_x_ar": None}
     return {"speedup": _ratio(row.get("decode_tps"), ar.get("decode_tps")),
             "verify_cost_x_ar": _ratio(row.get("verify_forward_s"), ar.get("ar_forward_s"))}
+
+
+def verify_sweep_curves(rows: list[dict]) -> dict[str, list[float]]:
+    """{"length", "unique", "linear", "cost"}: one value per block length, ascending (Figs. 4–5)."""
+    base = {(r["prompt"], r["start"]): r["wall_s"] for r in rows if r["length"] == 1}
+    by_len: dict[int, list[dict]] = {}
+    for r in rows:
+        by_len.setdefault(r["length"], []).append(r)
+    lengths = sorted(by_len)
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    unique = [mean([r["unique"] for r in by_len[L]]) for L in lengths]
+    return {"length": lengths, "unique": unique, "linear": [L * unique[0] for L in lengths],
+            "cost": [mean([r["wall_s"] / base[(r["prompt"], r["start"])] for r in by_len[L]]) for L in lengths]}

@@ -1,13 +1,9 @@
-"""Figs. 4–5: verify cost and unique experts vs block length, from the sweep's rows
-(`bench.sweep.verify_sweep`). Pure: reads rows, writes a table and a figure.
-
-  unique(L)    = mean over (prompt, start) of Σ_l |∪ top-k over the block|
-  cost ×AR(L)  = mean over (prompt, start) of wall(L) / wall(1)   (L = 1 is one AR step)
-  linear(L)    = L · unique(1)   (no overlap between the block's positions: the upper bound)
+"""Figs. 4–5: verify cost and unique experts vs block length — the curves
+`draftexpert.metrics.verify_sweep_curves` derives from the sweep's rows (`bench.sweep.verify_sweep`).
+Pure: formats curves into a table and a figure.
 """
 from __future__ import annotations
 
-from collections import defaultdict
 from pathlib import Path
 
 import matplotlib
@@ -16,19 +12,6 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from paper_figs.output import save  # noqa: E402
-
-
-def curves(rows: list[dict]) -> dict[str, list[float]]:
-    """{"length", "unique", "linear", "cost"}: one value per block length, ascending."""
-    base = {(r["prompt"], r["start"]): r["wall_s"] for r in rows if r["length"] == 1}
-    by_len = defaultdict(list)
-    for r in rows:
-        by_len[r["length"]].append(r)
-    lengths = sorted(by_len)
-    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
-    unique = [mean([r["unique"] for r in by_len[L]]) for L in lengths]
-    return {"length": lengths, "unique": unique, "linear": [L * unique[0] for L in lengths],
-            "cost": [mean([r["wall_s"] / base[(r["prompt"], r["start"])] for r in by_len[L]]) for L in lengths]}
 
 
 def table(c: dict[str, list[float]]) -> str:

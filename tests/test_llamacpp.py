@@ -2,6 +2,7 @@
 from a checkpoint load in llama.cpp and compute the torch runtime's logits and expert sets;
 speculative outputs (shared+top-r, DraftExpert) equal llama.cpp's own AR greedy output at f32 and
 Q4_0; the DraftExpert drafter's GGUF computes the torch drafter; staging really goes to storage."""
+import dataclasses
 import shutil
 from pathlib import Path
 
@@ -44,12 +45,12 @@ def disk_dir():
     shutil.rmtree(d, ignore_errors=True)
 
 
-def checkpoint(version: str, folder: Path) -> Path:
+def checkpoint(version: str, folder: Path, **over) -> Path:
     torch.manual_seed(0)
     if version == "v2":
-        m = DeepseekV2ForCausalLM(DeepseekV2Config(**COMMON, topk_method="greedy"))
+        m = DeepseekV2ForCausalLM(DeepseekV2Config(**{**COMMON, **over}, topk_method="greedy"))
     else:
-        m = DeepseekV3ForCausalLM(DeepseekV3Config(**COMMON, norm_topk_prob=True, routed_scaling_factor=2.5))
+        m = DeepseekV3ForCausalLM(DeepseekV3Config(**{**COMMON, **over}, norm_topk_prob=True, routed_scaling_factor=2.5))
         for layer in m.model.layers[1:]:
             layer.mlp.gate.e_score_correction_bias.normal_(0, 0.05)
     m.save_pretrained(folder)
@@ -105,6 +106,36 @@ def test_llama_cpp_computes_the_torch_runtime(ckpt):
         for layer in MOE:
             assert (np.sort(lm.topk[layer], 1) == np.sort(torch_model.last_routing[layer].numpy(), 1)).all()
     lm.close()
+
+
+def test_group_limited_routing_is_one_rule_on_both_engines(disk_dir):
+    """V3 with 4 expert groups, top-2 groups: llama.cpp's own top-k, the torch runtime's, and the
+    runtime's rule applied to llama.cpp's router logits (how `LlamaEngine.predicted` chooses) are
+    the same sets at every position; without the group step the rule would choose otherwise."""
+    from draftexpert.runtime.model import route
+
+    folder = checkpoint("v3", disk_dir / "v3-groups", n_group=4, topk_group=2)
+    head, experts = model_files(folder, "f32")
+    lm = LlamaModel(head, 256, 1, kv_type="f32", tap_router_logits=True)
+    torch_model = build_model(folder, "resident")
+    cfg, bias = load_router(folder)
+    assert cfg.n_group == 4 and cfg.topk_group == 2
+    engine = LlamaEngine(lm, ExpertPages(experts), drafter=lm, router=(cfg, bias))
+    flat = dataclasses.replace(cfg, n_group=1, topk_group=1)
+    differs = 0
+    for ids in PROMPTS:
+        lm.reset()
+        lm.eval(ids)
+        torch_model.forward(torch.tensor(ids), KVCache.for_model(torch_model, len(ids)))
+        for layer in MOE:
+            z = torch.from_numpy(lm.router_logits[layer])
+            rule = route(z, cfg, cfg.top_k, bias[layer])[1].sort(-1).values.numpy()
+            assert (rule == np.sort(lm.topk[layer], 1)).all()
+            assert (rule == np.sort(torch_model.last_routing[layer].numpy(), 1)).all()
+            differs += int((route(z, flat, cfg.top_k, bias[layer])[1].sort(-1).values.numpy() != rule).any(1).sum())
+        assert engine.predicted() == {(layer, int(e)) for layer in MOE for e in lm.topk[layer][-1]}
+    assert differs > 0, "the groups never changed a choice: this test could not tell the rules apart"
+    engine.close()
 
 
 def test_draftexpert_gguf_computes_the_torch_drafter(disk_dir):

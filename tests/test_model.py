@@ -18,6 +18,9 @@ CASES = {
     "v2-yarn-qlora": lambda: DeepseekV2ForCausalLM(DeepseekV2Config(**{**COMMON, "q_lora_rank": 24},
                                                                     max_position_embeddings=2048, rope_scaling=YARN)),
     "v3-bias": lambda: DeepseekV3ForCausalLM(DeepseekV3Config(**COMMON, norm_topk_prob=True, routed_scaling_factor=2.5)),
+    # group-limited: 4 groups of 4 experts, each token's top-4 from its best 2 groups
+    "v3-groups": lambda: DeepseekV3ForCausalLM(DeepseekV3Config(**{**COMMON, "n_group": 4, "topk_group": 2},
+                                                                norm_topk_prob=True, routed_scaling_factor=2.5)),
 }
 
 
@@ -79,6 +82,23 @@ def test_route_top_r():
     assert (idx == 7).any(-1).all()
     assert torch.allclose(w.sum(-1), torch.full((5,), 2.5))  # ... but weights are un-biased, normalised, scaled
     assert torch.allclose(w, logits.sigmoid().gather(-1, idx) / logits.sigmoid().gather(-1, idx).sum(-1, keepdim=True) * 2.5)
+
+
+def test_group_limited_routing_changes_the_choice():
+    """The group step of `router_scores` is live (the v3-groups case above would pass without it
+    otherwise): on random router logits some tokens' top-4 differ with and without it, and every
+    chosen expert lies in one of the token's best 2 groups."""
+    from draftexpert.runtime.model import router_scores
+
+    cfg = ModelConfig.from_hf(DeepseekV3Config(**{**COMMON, "n_group": 4, "topk_group": 2}, norm_topk_prob=True))
+    flat = ModelConfig.from_hf(DeepseekV3Config(**COMMON, norm_topk_prob=True))
+    logits = torch.randn(64, 16, generator=torch.Generator().manual_seed(5))
+    bias = torch.randn(16, generator=torch.Generator().manual_seed(6)) * 0.05
+    grouped, plain = route(logits, cfg, 4, bias)[1], route(logits, flat, 4, bias)[1]
+    assert (grouped.sort(-1).values != plain.sort(-1).values).any(-1).sum() > 0
+    s, choice = router_scores(logits, cfg, bias)
+    best = (s + bias).view(64, 4, 4).topk(2, -1).values.sum(-1).topk(2, -1).indices  # [T, 2] groups
+    assert ((grouped // 4)[:, :, None] == best[:, None, :]).any(-1).all()
 
 
 def test_cache_bounds():

@@ -1,2 +1,2 @@
-"""Self-speculation, engine-agnostic: the round of Algorithm 1 and AR decoding over the `Engine`
-protocol (`round`), the truncation rule (`controller`) and the drafters (`drafters`)."""
+"""Self-speculation, engine-agnostic: the round of Algorithm 1 over the `Engine` protocol
+(`round`), the truncation rule (`controller`) and the drafters (`drafters`)."""
