@@ -45,6 +45,12 @@ BudgetOpt = Annotated[int, typer.Option("--budget", min=0, help="B: layer-expert
 DraftExpertsOpt = Annotated[Path | None, typer.Option("--draft-experts", help="draftexpert: a distilled checkpoint "
                                                       "(default: the model's `full` preset if distilled, else zero = "
                                                       "shared+top-1).")]
+StagingOpt = Annotated[str, typer.Option("--staging", help="llama.cpp on mn: demand (whole experts staged from the "
+                                          "router tap before the expert matmuls) | pagefault (llama.cpp's own 4 KiB "
+                                          "mmap faults: an ablation)")]
+ReadBwOpt = Annotated[str | None, typer.Option("--read-bw", help="Cap the storage reads of the decode for real with "
+                                               "the kernel's block-I/O throttle, e.g. 64MB/s (needs root; "
+                                               "recorded in every cell).")]
 CompileOpt = Annotated[bool, typer.Option("--compile", help="torch.compile the one-token decode step (static shapes; "
                                           "~20 s of compilation the first time).")]
 REPO_ROOT = registry.REPO_ROOT
@@ -300,16 +306,28 @@ def _prompts_and_threads(suite: list[str] | None, limit: int | None, threads: in
              "`datasets` package and network access — the committed suites need neither")
 
 
+def _read_bw(text: str | None) -> int | None:
+    from bench.readcap import parse_rate
+
+    if text is None:
+        return None
+    try:
+        return parse_rate(text)
+    except ValueError as e:
+        fail(str(e))
+
+
 @contextmanager
 def _named_errors():
     """What building a decoder or running cells raises for bad input becomes a one-line error."""
+    from bench.readcap import ReadCapError
     from draftexpert.engines.llamacpp import LlamaCppError
     from draftexpert.runtime.gguf_experts import ExpertFileError
     from draftexpert.runtime.loader import CheckpointError
 
     try:
         yield
-    except (CheckpointError, ExpertFileError, LlamaCppError, ValueError) as e:  # DistillError is a ValueError
+    except (CheckpointError, ExpertFileError, LlamaCppError, ReadCapError, ValueError) as e:  # DistillError: a ValueError
         fail(str(e))
 
 
@@ -339,7 +357,7 @@ def run(model: ModelOpt = "ds-tiny", model_path: ModelPathOpt = None,
         draft_cache: Annotated[str, typer.Option("--draft-cache", help="shared (drafter reads the target's KV cache) "
                                                  "| own (its own cache)")] = "shared",
         draft_experts: DraftExpertsOpt = None, compile: CompileOpt = False, engine: EngineOpt = "torch",
-        as_json: JsonOpt = False):
+        staging: StagingOpt = "demand", read_bw: ReadBwOpt = None, as_json: JsonOpt = False):
     """Decode the prompt suites with one method; one record per prompt, resumable.
 
     `ar`: autoregressive decoding on the expert-offload runtime (the paper's baseline; every
@@ -348,6 +366,7 @@ def run(model: ModelOpt = "ds-tiny", model_path: ModelPathOpt = None,
     truncation and draft-router prefetch (Algorithm 1). `reference`: the target's plain greedy
     decoding through transformers, weights resident — the exactness oracle."""
     from bench.decoders import METHODS, SpecOptions, make_decoder
+    from bench.readcap import ReadCap, ReadCapError
     from bench.runner import run_cells
     from bench.telemetry import collect
     from draftexpert.speculation.round import SpecConfig
@@ -367,6 +386,7 @@ def run(model: ModelOpt = "ds-tiny", model_path: ModelPathOpt = None,
         top_k = load_config(folder).num_experts_per_tok
         if not r < top_k:
             fail(f"--r: {r} must be below the target's top-k ({top_k}); r = {top_k} is the target itself")
+    rate = _read_bw(read_bw)
     recs = _prompts_and_threads(suite, limit, threads, from_hub)
     spec = SpecOptions(r=r, draft_experts=draft_experts,
                        round=SpecConfig(k_max=k_max, tau=tau, budget=budget, budget_mode=budget_mode, truncate=truncate,
@@ -376,11 +396,20 @@ def run(model: ModelOpt = "ds-tiny", model_path: ModelPathOpt = None,
                                                cache_experts=cache_experts, staging_budget=staging_budget,
                                                temperature=temperature, seed=seed, max_new_tokens=max_new_tokens,
                                                expert_file=lambda qt: expert_file(model, folder, qt), spec=spec,
-                                               compile=compile, engine=engine)
+                                               compile=compile, engine=engine, staging=staging)
     label = f"top-{r}" if method == "top-r" else method
     engine_tag = "-llama.cpp" if engine == "llama.cpp" else ""
     run_dir = out or (REPO_ROOT / "runs" / f"{model}-{label}-{cfg.platform}{engine_tag}")
-    summary = run_cells(cfg, recs, decoder, tokenizer, run_dir, machine=collect(run_dir, measure_io=True), log=log)
+    machine = collect(run_dir, measure_io=True)
+    if rate:
+        cfg.method_args["read_bw"] = rate  # a capped cell is another cell
+        try:
+            with ReadCap(rate, expert_file(model, folder, expert_type)):
+                summary = run_cells(cfg, recs, decoder, tokenizer, run_dir, machine=machine, log=log)
+        except ReadCapError as e:
+            fail(str(e))
+    else:
+        summary = run_cells(cfg, recs, decoder, tokenizer, run_dir, machine=machine, log=log)
     if as_json:  # every record of this configuration: tokens and every ledger metric, per prompt
         from bench.results import read_records
 
@@ -401,7 +430,10 @@ def compare(model: ModelOpt = "ds-tiny", model_path: ModelPathOpt = None,
             suite: SuiteOpt = None, limit: LimitOpt = 2, max_new_tokens: MaxNewTokensOpt = 64,
             k_max: KMaxOpt = 4, tau: TauOpt = 0.6, budget: BudgetOpt = 24,
             draft_experts: DraftExpertsOpt = None, threads: ThreadsOpt = None, compile: CompileOpt = False,
-            engine: EngineOpt = "torch", out: OutOpt = None, as_json: JsonOpt = False):
+            engine: EngineOpt = "torch", staging: StagingOpt = "demand", read_bw: ReadBwOpt = None,
+            caps: Annotated[list[str] | None, typer.Option("--cap", help="--set regime: the read caps to sweep "
+                                                           "(default 16…512 MB/s and uncapped; 'none' = uncapped)")] = None,
+            out: OutOpt = None, as_json: JsonOpt = False):
     """AR offload vs shared+top-r (r = 1, 2, 3; fixed K, no prefetch) vs DraftExpert (truncation +
     prefetch): decode TPS, α, τ, unique layer-experts per draft / verify block, loads and bytes per
     token, prefetch hit / waste — one table from the records; resumable."""
@@ -419,13 +451,23 @@ def compare(model: ModelOpt = "ds-tiny", model_path: ModelPathOpt = None,
         fail(f"--method: unknown {', '.join(bad)}; known: {', '.join(known)}")
     _check_run_flags(platform, expert_type, suite)
     folder = resolve_or_fail(model, model_path)
+    rate = _read_bw(read_bw)
+    if method_set == "regime" and rate:
+        fail("--read-bw: the regime set sweeps its own caps (--cap)")
+    cap_list = [None if c.lower() == "none" else _read_bw(c) for c in caps] if caps else None
     recs = _prompts_and_threads(suite, limit, threads)
     out_dir = out or (REPO_ROOT / "runs" / f"compare-{model}-{platform}{'-llama.cpp' if engine == 'llama.cpp' else ''}")
     spec = SpecOptions(draft_experts=draft_experts, round=SpecConfig(k_max=k_max, tau=tau, budget=budget))
     with _named_errors():
         res = cmp.compare(model, folder, platform, recs, out_dir, max_new_tokens, spec, expert_type,
                           lambda qt: expert_file(model, folder, qt), collect(out_dir, measure_io=True),
-                          labels=method, log=log, compile=compile, method_set=method_set, engine=engine)
+                          labels=method, log=log, compile=compile, method_set=method_set, engine=engine,
+                          staging=staging, read_bw=rate, caps=cap_list)
+    if method_set == "regime":
+        from paper_figs.regime import table as regime_table
+
+        emit(res, as_json, regime_table(res) + f"\n\n({out_dir})")
+        return
     emit(res, as_json, (table4 if method_set == "table4" else table)(res) + f"\n\ntokens equal AR: {res['tokens_equal_ar']}  ({out_dir})")
 
 

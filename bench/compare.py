@@ -34,27 +34,49 @@ FOOTPRINT = [
     ("top-3-k8", "top-r", {"r": 3, "k_max": 8, "truncate": False, "prefetch": False}),
     ("draftexpert-k8", "draftexpert", {"k_max": 8, "truncate": False, "prefetch": False}),
 ]
-SETS = {"table2": METHODS, "table4": POLICIES, "fig3": FOOTPRINT}
+# The paper's regime, measured: Table 2's methods under storage read caps (bytes/s; None = uncapped).
+REGIME_CAPS = [16 * 10**6, 32 * 10**6, 64 * 10**6, 128 * 10**6, 256 * 10**6, 512 * 10**6, None]
+SETS = {"table2": METHODS, "table4": POLICIES, "fig3": FOOTPRINT, "regime": METHODS}
 
 
 def compare(model: str, folder: Path, platform: str, prompts: list[dict], out_dir: Path, max_new_tokens: int,
             spec: SpecOptions, expert_type: str, expert_file, machine: dict | None, labels: list[str] | None = None,
-            log=print, compile: bool = False, method_set: str = "table2", engine: str = "torch") -> dict:
+            log=print, compile: bool = False, method_set: str = "table2", engine: str = "torch",
+            staging: str = "demand", read_bw: int | None = None, caps: list[int | None] | None = None) -> dict:
+    """One set's methods through the runner, then one row per method from the records. `read_bw`
+    caps the storage reads of every cell (`bench.readcap`); the `regime` set repeats Table 2's
+    methods under each of `caps` (default REGIME_CAPS), each cap in its own sub-folder."""
     from bench.decoders import make_decoder
+    from bench.readcap import ReadCap
     from bench.results import read_records
     from bench.runner import run_cells
     from draftexpert import metrics
 
+    args = (model, folder, platform, prompts)
+    if method_set == "regime":
+        per_cap = []
+        for cap in caps or REGIME_CAPS:
+            log(f"=== read cap {cap / 1e6:.0f} MB/s" if cap else "=== uncapped")
+            sub = out_dir / (f"cap-{cap // 10**6}MBps" if cap else "uncapped")
+            per_cap.append(compare(*args, sub, max_new_tokens, spec, expert_type, expert_file, machine, labels, log,
+                                   compile, "table2", engine, staging, read_bw=cap))
+        return {"model": model, "platform": platform, "engine": engine, "set": "regime", "caps": per_cap}
     rows = {}
     for label, method, over in SETS[method_set]:
         if labels and label not in labels:
             continue
         decoder, tokenizer, cfg = make_decoder(model, folder, method, platform, expert_type=expert_type,
                                                max_new_tokens=max_new_tokens, expert_file=expert_file,
-                                               spec=spec.with_(**over), compile=compile, engine=engine)
+                                               spec=spec.with_(**over), compile=compile, engine=engine,
+                                               staging=staging)
         run_dir = out_dir / label
         log(f"== {label} → {run_dir}")
-        summary = run_cells(cfg, prompts, decoder, tokenizer, run_dir, machine=machine, log=log)
+        if read_bw:
+            cfg.method_args["read_bw"] = read_bw  # a capped cell is another cell
+            with ReadCap(read_bw, expert_file(expert_type)):
+                summary = run_cells(cfg, prompts, decoder, tokenizer, run_dir, machine=machine, log=log)
+        else:
+            summary = run_cells(cfg, prompts, decoder, tokenizer, run_dir, machine=machine, log=log)
         decoder.close()
         recs = [r for r in read_records(run_dir / "records.jsonl") if r["config_hash"] == summary["config_hash"]]
         rows[label] = metrics.aggregate(recs)
@@ -65,4 +87,5 @@ def compare(model: str, folder: Path, platform: str, prompts: list[dict], out_di
     same = {label: all(row["tokens"][p] == rows["ar"]["tokens"][p] for p in row["tokens"])
             for label, row in rows.items() if "ar" in rows and label != "ar"}
     return {"model": model, "platform": platform, "engine": engine, "set": method_set, "expert_type": expert_type if platform == "mn" else None,
-            "max_new_tokens": max_new_tokens, "spec": spec.as_dict(), "methods": rows, "tokens_equal_ar": same}
+            "max_new_tokens": max_new_tokens, "read_bw": read_bw, "spec": spec.as_dict(), "methods": rows,
+            "tokens_equal_ar": same}

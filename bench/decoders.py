@@ -19,7 +19,6 @@ from draftexpert.speculation.round import SpecConfig
 PLATFORMS = {"mn": "flash", "cg": "host", "resident": "resident"}  # platform → expert store (torch engine)
 METHODS = ("ar", "reference", "top-r", "draftexpert")
 ENGINES = ("torch", "llama.cpp")
-LLAMA_STAGING = "mmap page faults; expert pages evicted after every step/round (madvise + fadvise DONTNEED)"
 
 
 @dataclass(frozen=True)
@@ -55,11 +54,13 @@ def _round_args(conf: SpecConfig, *drop: str) -> dict:
     return {k: v for k, v in asdict(conf).items() if k not in ("temperature", "seed", *drop)}
 
 
-def make_llama_decoder(model: str, folder: Path, method: str, expert_type: str, expert_file: Callable[[str], Path],
-                       spec: SpecOptions, threads: int, max_new_tokens: int, temperature: float = 0.0):
-    """(decoder, tokenizer, cell config) on the llama.cpp engine (platform mn, greedy)."""
+def make_llama_decoder(model: str, folder: Path, method: str, platform: str, expert_type: str,
+                       expert_file: Callable[[str], Path], spec: SpecOptions, threads: int, max_new_tokens: int,
+                       temperature: float = 0.0, staging: str = "demand"):
+    """(decoder, tokenizer, cell config) on the llama.cpp engine (greedy): platform mn stages the
+    experts from storage (`staging`: demand | pagefault), platform resident keeps them all cached."""
     from baselines.ar import AROffloadDecoder
-    from draftexpert.engines.llamacpp import ExpertPages, LlamaEngine, LlamaModel, require_llama_cpp
+    from draftexpert.engines.llamacpp import STAGING, ExpertPages, LlamaEngine, LlamaModel, require_llama_cpp
     from draftexpert.runtime.loader import load_config, load_router
     from draftexpert.speculation.drafters import DraftExperts
     from draftexpert.speculation.round import SpeculativeDecoder
@@ -68,15 +69,20 @@ def make_llama_decoder(model: str, folder: Path, method: str, expert_type: str, 
         raise ValueError(f"--method {method} does not run on the llama.cpp engine (ar, top-r, draftexpert do)")
     if temperature > 0:
         raise ValueError("--temperature: the llama.cpp engine decodes greedily; use the torch engine to sample")
+    if platform not in ("mn", "resident"):
+        raise ValueError(f"--platform: the llama.cpp engine runs mn (experts from storage) or resident, not {platform}")
+    if staging not in ("demand", "pagefault"):
+        raise ValueError(f"--staging: {staging!r} is not one of demand, pagefault")
+    staging = "resident" if platform == "resident" else staging
     require_llama_cpp()
     tokenizer = _tokenizer(folder)
     experts = expert_file(expert_type)
     n_ctx = 2048
     kv = "f32" if expert_type == "f32" else "f16"  # an f32 model keeps an f32 cache; else llama.cpp's f16
     target_head = llama_head_for(model, folder, expert_type, experts)
-    args = {"expert_type": expert_type, "threads": threads, "kv_type": kv, "staging": LLAMA_STAGING}
+    args = {"expert_type": expert_type, "threads": threads, "kv_type": kv, "staging": STAGING[staging]}
     if method == "ar":
-        engine = LlamaEngine(LlamaModel(target_head, n_ctx, threads, kv_type=kv), ExpertPages(experts))
+        engine = LlamaEngine(LlamaModel(target_head, n_ctx, threads, kv_type=kv), ExpertPages(experts), staging=staging)
         decoder = AROffloadDecoder(engine)
     else:
         conf = replace(spec.round, draft_cache="shared")  # llama.cpp: the drafter always has its own context
@@ -94,10 +100,10 @@ def make_llama_decoder(model: str, folder: Path, method: str, expert_type: str, 
             args["draft_experts"] = meta
         target = LlamaModel(target_head, n_ctx, threads, kv_type=kv)
         drafter = LlamaModel(drafter_head, n_ctx, threads, used_experts=used, tap_router_logits=True, kv_type=kv)
-        engine = LlamaEngine(target, ExpertPages(experts), drafter, load_router(folder), name=name)
+        engine = LlamaEngine(target, ExpertPages(experts), drafter, load_router(folder), name=name, staging=staging)
         decoder = SpeculativeDecoder(engine, conf)
         args.update(_round_args(conf, "draft_cache"))
-    cfg = CellConfig(model=model, method=method, platform="mn", engine="llama.cpp", max_new_tokens=max_new_tokens,
+    cfg = CellConfig(model=model, method=method, platform=platform, engine="llama.cpp", max_new_tokens=max_new_tokens,
                      method_args=args)
     return decoder, tokenizer, cfg
 
@@ -105,21 +111,23 @@ def make_llama_decoder(model: str, folder: Path, method: str, expert_type: str, 
 def make_decoder(model: str, folder: Path, method: str, platform: str, expert_type: str = "q4_0",
                  cache_experts: int = 0, staging_budget: int = 0, temperature: float = 0.0, seed: int = 0,
                  max_new_tokens: int = 64, expert_file: Callable[[str], Path] | None = None,
-                 spec: SpecOptions = SpecOptions(), compile: bool = False, engine: str = "torch"):
+                 spec: SpecOptions = SpecOptions(), compile: bool = False, engine: str = "torch",
+                 staging: str = "demand"):
     """(decoder, tokenizer, cell config) for a method on a platform. `expert_file(type)` gives
     the GGUF expert file of the checkpoint (written once) for platform mn; `spec` the speculative
-    methods' options. `engine`: torch, or llama.cpp (platform mn)."""
+    methods' options. `engine`: torch, or llama.cpp (platforms mn and resident; `staging` how it
+    brings experts from storage on mn)."""
     import torch
 
     if engine not in ENGINES:
         raise ValueError(f"--engine: {engine!r} is not one of {', '.join(ENGINES)}")
     if engine == "llama.cpp":
-        if platform != "mn":
-            raise ValueError(f"--platform: the llama.cpp engine runs platform mn (experts from storage), not {platform}")
         if compile:
             raise ValueError("--compile applies to the torch engine only")
-        return make_llama_decoder(model, folder, method, expert_type, expert_file, spec, torch.get_num_threads(),
-                                  max_new_tokens, temperature)
+        return make_llama_decoder(model, folder, method, platform, expert_type, expert_file, spec,
+                                  torch.get_num_threads(), max_new_tokens, temperature, staging)
+    if staging != "demand":
+        raise ValueError("--staging applies to the llama.cpp engine (the torch engine's stores stage whole experts)")
 
     tokenizer = _tokenizer(folder)
     if method == "reference":

@@ -203,6 +203,62 @@ def fig45(results_dir: Path, log, per_suite: int = FIG1B_PER_SUITE) -> list[str]
             *[str(p.relative_to(results_dir.parent)) for p in figs]]
 
 
+REGIME_MODEL, REGIME_PER_SUITE, REGIME_TOKENS = "ds-tiny", 1, 32  # 7 caps × 5 methods × 2 engines: kept small
+
+
+def regime(results_dir: Path, log, per_suite: int = REGIME_PER_SUITE, tokens: int = REGIME_TOKENS,
+           quick: bool = False) -> list[str]:
+    """The paper's regime measured: Table 2's methods on ds-tiny under real storage read caps
+    (the kernel's block-I/O throttle; root), on both engines, then the speed-up-vs-bandwidth
+    figure. Skipped, with the reason, where the cap cannot be applied. `quick` (a reproduce run
+    below the default prompt count) sweeps only the extremes: the lowest cap and uncapped."""
+    import torch
+
+    from bench import prompts, registry
+    from bench.artifacts import expert_file_for
+    from bench.compare import REGIME_CAPS, compare
+    from bench.decoders import SpecOptions
+    from bench.readcap import ReadCap, ReadCapError
+    from bench.telemetry import collect
+    from draftexpert.speculation.round import SpecConfig
+    from paper_figs import regime as render
+
+    torch.set_num_threads(FIG1B_THREADS)
+    folder = registry.resolve(REGIME_MODEL)
+    experts = expert_file_for(REGIME_MODEL, folder, "q4_0", log=log)
+    try:
+        with ReadCap(10**9, experts):
+            pass
+    except ReadCapError as e:
+        log(f"regime sweep skipped: {e}")
+        return []
+    machine = collect(results_dir)
+    results, written = [], []
+    for engine in ("torch", "llama.cpp"):
+        tag = "-llama.cpp" if engine == "llama.cpp" else ""
+        res = compare(REGIME_MODEL, folder, "mn", prompts.load(limit=per_suite),
+                      results_dir / "runs" / f"regime-{REGIME_MODEL}-mn{tag}", tokens,
+                      SpecOptions(round=SpecConfig(k_max=4, tau=0.6, budget=24)), "q4_0",
+                      lambda qt: expert_file_for(REGIME_MODEL, folder, qt, log=log), machine, log=log,
+                      method_set="regime", engine=engine,
+                      caps=[REGIME_CAPS[0], None] if quick else REGIME_CAPS)
+        for cell in res["caps"]:
+            for row in cell["methods"].values():
+                row.pop("tokens")
+        results.append(res)
+        stem = f"regime_{REGIME_MODEL}_mn{tag.replace('-', '_')}"
+        write_json_atomic(results_dir / f"{stem}.json", res)
+        (results_dir / f"{stem}.md").write_text(
+            f"{per_suite} prompt(s) per suite, {tokens} new tokens, greedy, Q4_0, K_max = 4, τ = 0.6, "
+            f"B = 24, {FIG1B_THREADS} thread, machine {machine['machine_id']}; `bench compare --set regime --model "
+            f"{REGIME_MODEL} --engine {engine} --limit {per_suite} --max-new-tokens {tokens} --threads "
+            f"{FIG1B_THREADS}`.\n\n" + render.table(res))
+        written += [f"results/runs/regime-{REGIME_MODEL}-mn{tag}/*", f"results/{stem}.md", f"results/{stem}.json"]
+    figs = render.figure(results, results_dir / "figures" / f"regime_{REGIME_MODEL}",
+                         f"results/runs/regime-{REGIME_MODEL}-mn{{,-llama.cpp}}, machine {machine['machine_id']}")
+    return written + [str(p.relative_to(results_dir.parent)) for p in figs]
+
+
 def table5(results_dir: Path, log, per_suite: int, tokens: int) -> list[str]:
     """Table 5 from the committed draft-expert checkpoints of each tiny model (`bench distill-eval`);
     `bench distill --model <m> --preset <p>` retrains any of them."""
@@ -284,6 +340,9 @@ def reproduce(results_dir: Path, log=lambda m: print(m, file=sys.stderr), per_su
         done += fig45(results_dir, log, per_suite)
         log("Table 4: fixed K vs truncation vs + prefetch (DraftExpert), ds-tiny and ml-tiny on mn")
         done += table4(results_dir, log, per_suite, tokens)
+        log("The regime: Table 2's methods under real storage read caps, ds-tiny, both engines")
+        done += regime(results_dir, log, min(per_suite, REGIME_PER_SUITE), min(tokens, REGIME_TOKENS),
+                       quick=per_suite < FIG1B_PER_SUITE)
         log("Table 5: draft-expert ablation (bench distill-eval) for the tiny models")
         done += table5(results_dir, log, per_suite, tokens)
     else:

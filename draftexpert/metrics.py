@@ -34,6 +34,8 @@ Derived (`derive`):
 Relative to AR (`relative`):
   speedup             = decode_tps / AR's decode_tps
   verify_cost_x_ar    = verify_forward_s / AR's ar_forward_s            (Table 4)
+Against the storage (`physical_limit_tps`):
+  physical limit      = read bandwidth / (moved_bytes / (new_tokens − 1))   (tokens/s with free compute)
 The verify-block sweep (Figs. 4–5, `verify_sweep_curves`; one cold forward per (prompt, start, L)):
   unique(L)           = mean over (prompt, start) of Σ_l |∪ top-k over the block|
   cost ×AR(L)         = mean over (prompt, start) of wall(L) / wall(1)   (L = 1 is one AR step)
@@ -195,3 +197,10 @@ def verify_sweep_curves(rows: list[dict]) -> dict[str, list[float]]:
     unique = [mean([r["unique"] for r in by_len[L]]) for L in lengths]
     return {"length": lengths, "unique": unique, "linear": [L * unique[0] for L in lengths],
             "cost": [mean([r["wall_s"] / base[(r["prompt"], r["start"])] for r in by_len[L]]) for L in lengths]}
+
+
+def physical_limit_tps(row: dict, read_bw: float | None) -> float | None:
+    """Tokens/s the storage allows the method at all: read bandwidth ÷ bytes moved per emitted
+    token (on-demand loads + prefetches, decode phase) — no compute, no latency, perfect overlap."""
+    per_token = _ratio(row.get("moved_bytes"), row.get("decode_tokens"))
+    return read_bw / per_token if read_bw and per_token else None

@@ -57,6 +57,14 @@ def test_reproduce_writes_fig1a_and_lists_pending(tmp_path):
             assert {"top1", "residual", "logit-token", "full"} <= set(t5["presets"])
         else:
             assert "Table 5 skipped" in p.stderr and "bench data corpus" in p.stderr
+    if "regime sweep skipped" not in p.stderr:  # the read cap needs root and the kernel's block-I/O throttle
+        for engine in ("", "_llama.cpp"):
+            rg = json.loads((tmp_path / f"regime_ds-tiny_mn{engine}.json").read_text())
+            assert [c["read_bw"] for c in rg["caps"]] == [16 * 10**6, None]
+            assert all(all(c["tokens_equal_ar"].values()) for c in rg["caps"])
+            capped = rg["caps"][0]["methods"]["ar"]
+            assert capped["method_args"]["read_bw"] == 16 * 10**6 and capped["loading_share"] > 0
+        assert (tmp_path / "figures" / "regime_ds-tiny.png").stat().st_size > 1000
     assert (tmp_path / "figures" / "fig1a_params.png").stat().st_size > 1000
     assert "| ds | 15.7B | 14.4B | 91.6% | 26.8 GiB | 2.44 GiB |" in (tmp_path / "fig1a_params.md").read_text()
     assert s["pending"]

@@ -224,6 +224,41 @@ def test_experts_come_from_storage(disk_dir):
     pages.close()
 
 
+def test_staging_modes_are_exact_and_measured(disk_dir):
+    """demand (the default), pagefault and resident give the same tokens; demand stages a
+    layer's experts from the router tap before llama.cpp touches them — its stall is measured,
+    every routed expert is loaded once per step (cold) and none by a page fault afterwards;
+    pagefault's stall is NaN (not observable); resident loads nothing after the start."""
+    folder = disk_dir / "ds-tiny-staging"
+    shutil.copytree(REPO / "models" / "ds-tiny", folder, ignore=shutil.ignore_patterns("draft_experts", "*.png"))
+    head, experts = model_files(folder, "q4_0")
+    outs, cached_before = {}, []
+    for staging in ("demand", "pagefault", "resident"):
+        engine = LlamaEngine(LlamaModel(head, 256, 1), ExpertPages(experts), staging=staging)
+        real_stage = engine.pages.stage
+
+        def stage(keys, real_stage=real_stage, pages=engine.pages):  # what was cached when the hook ran
+            cached_before.append(len(set(keys) & pages.resident_experts(pages.snapshot())))
+            real_stage(keys)
+
+        if staging == "demand":
+            engine.pages.stage = stage
+        outs[staging] = [AROffloadDecoder(engine).generate(ids, 12, None) for ids in PROMPTS[:2]]
+        engine.close()
+    # the hook ran for every MoE layer of every forward, before llama.cpp had touched that layer's experts
+    assert len(cached_before) == 2 * 12 * 5 and not any(cached_before)
+    assert [o.tokens for o in outs["demand"]] == [o.tokens for o in outs["pagefault"]] == [o.tokens for o in outs["resident"]]
+    for o in outs["demand"]:
+        ar = o.stats["ledger"]["by_phase"]["ar"]
+        assert ar["requested"] == ar["loads"] == ar["forwards"] * 5 * 6  # cold: 5 MoE layers × top-6, each step
+        assert 0 < ar["stall_s"] < ar["wall_s"]
+    assert all(o.stats["ledger"]["by_phase"]["ar"]["stall_s"] != o.stats["ledger"]["by_phase"]["ar"]["stall_s"]
+               for o in outs["pagefault"])  # NaN
+    assert all(o.stats["ledger"]["by_phase"]["ar"]["loads"] == 0 for o in outs["resident"])
+    with pytest.raises(ValueError, match="--staging"):
+        LlamaEngine(None, None, staging="mmap")
+
+
 def test_cli_runs_the_engine_and_names_bad_flags(tmp_path):
     """`bench run --engine llama.cpp` end to end (records say which engine and staging), equal to
     its own AR; a platform the engine does not run is named."""

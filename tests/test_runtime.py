@@ -130,6 +130,27 @@ def test_quantised_store_equals_model_with_dequantised_experts(checkpoint, disk)
         lean.experts.close()
 
 
+def test_q4_0_dequantisers_agree_with_the_gguf_reference():
+    """ggml's dequantize_row_q4_0 (the store's fast path) and the torch fallback both equal the gguf
+    package's reference dequantisation, bit for bit, on random blocks (random scales included)."""
+    import gguf
+    import numpy as np
+
+    from draftexpert.runtime import gguf_experts
+    from draftexpert.runtime.gguf_experts import decode
+
+    rows, cols = 64, 256
+    rng = np.random.default_rng(0)
+    blocks = rng.integers(0, 256, (rows, cols // 32, 18), dtype=np.uint8)
+    blocks[..., :2] = rng.normal(0, 0.02, (rows, cols // 32)).astype(np.float16).view(np.uint8).reshape(rows, -1, 2)
+    buf = bytearray(blocks.tobytes())
+    want = torch.from_numpy(gguf.quants.dequantize(blocks.reshape(rows, -1), gguf.GGMLQuantizationType.Q4_0).copy())
+    assert torch.equal(decode(buf, 0, len(buf), "q4_0", (rows, cols), "cpu", torch.float32, use_ggml=False), want)
+    if gguf_experts._Q4_0 is None:
+        pytest.skip("llama-cpp-python is not installed: no ggml dequantiser to compare")
+    assert torch.equal(decode(buf, 0, len(buf), "q4_0", (rows, cols), "cpu", torch.float32), want)
+
+
 def test_truncated_and_corrupt_gguf_name_the_file(checkpoint, disk):
     _, _, gguf = checkpoint
     cut = disk / "truncated.gguf"

@@ -11,11 +11,21 @@ Pieces:
               it; the target and the drafter each once), then posix_fadvise(POSIX_FADV_DONTNEED)
               on the file: the pages leave the page cache, so the next use reads storage.
     prefetch  posix_fadvise(POSIX_FADV_WILLNEED) on an expert's three byte ranges (async readahead).
+    stage     the experts a layer's router chose, whole and all in flight together: fadvise
+              WILLNEED on every range, then a read through each to wait for it.
     resident  mincore over our own (never touched) shared mapping: which experts are cached.
-  Staging is therefore real: experts come from storage through llama.cpp's mmap page faults
-  (one page per fault: MADV_RANDOM), evicted at the end of every AR step / speculation round
-  (the paper's cold setting). Non-routed
-  weights (the head) are never evicted: they stand for accelerator-resident weights.
+  Staging (`STAGING`) is real — experts come from storage, the split evicted at the start of
+  every AR step / speculation round (the paper's cold setting):
+    demand     (default; the paper's MN baseline) the load hook `LlamaModel.on_route` runs in the
+               eval callback of `ffn_moe_topk-<l>`, i.e. after layer l's router and before its
+               expert matmuls, and stages the chosen experts not yet cached (`stage`); the time
+               it waits is the forward's stall, per layer.
+    pagefault  (an ablation) no hook: llama.cpp's matmuls fault the experts in through its mmap,
+               one 4 KiB page per fault (MADV_RANDOM), synchronously, inside llama.cpp — a stall
+               that cannot be observed from here, so it is recorded as NaN, not 0.
+    resident   (the upper bound) every expert is read into the page cache at the start and
+               never evicted.
+  Non-routed weights (the head) are never evicted: they stand for accelerator-resident weights.
 - Exactness needs a batch-invariant build: a multi-token verify eval must compute bit for bit
   what one-token evals compute. llama.cpp's default build routes matrix products through
   llamafile's sgemm, which tiles by batch size (measured here: verify-block vs one-token logits
@@ -34,6 +44,8 @@ import ctypes.util
 import mmap
 import os
 import time
+from collections import defaultdict
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -46,7 +58,8 @@ from draftexpert.runtime.ledger import Ledger
 from draftexpert.runtime.model import route
 
 PAGE = mmap.PAGESIZE
-MADV_RANDOM, MADV_DONTNEED, POSIX_FADV_WILLNEED, POSIX_FADV_DONTNEED = 1, 4, 3, 4  # Linux values
+MADV_RANDOM, MADV_DONTNEED = 1, 4  # Linux values
+POSIX_FADV_RANDOM, POSIX_FADV_WILLNEED, POSIX_FADV_DONTNEED = os.POSIX_FADV_RANDOM, os.POSIX_FADV_WILLNEED, os.POSIX_FADV_DONTNEED
 _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
 _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
@@ -91,6 +104,9 @@ class LlamaModel:
         self.topk: dict[int, np.ndarray] = {}
         self.router_logits: dict[int, np.ndarray] = {}
         self._parts: dict[tuple[str, int], list[np.ndarray]] = {}  # (tap, layer) → one array per ubatch
+        # The load hook: called with (layer, experts [T, k]) as soon as a layer's router has chosen,
+        # before llama.cpp's expert matmuls of that layer run (the eval callback returns first).
+        self.on_route: Callable[[int, np.ndarray], None] | None = None
         self._taps = ("ffn_moe_topk-",) + (("ffn_moe_logits-",) if tap_router_logits else ())
         self._ggml = _ggml_lib(llama_cpp)
         self._callback = _EVAL_CALLBACK(self._on_tensor)  # kept referenced: llama.cpp holds the pointer
@@ -116,6 +132,8 @@ class LlamaModel:
         dtype = np.int32 if kind == "ffn_moe_topk" else np.float32
         out = np.lib.stride_tricks.as_strided(raw.view(dtype), (rows, cols), (int(t.nb[1]), int(t.nb[0]))).copy()
         self._parts.setdefault((kind, int(layer)), []).append(out)  # one part per ubatch (a long prompt has several)
+        if kind == "ffn_moe_topk" and self.on_route is not None:
+            self.on_route(int(layer), out)
         return True
 
     @property
@@ -208,6 +226,7 @@ class ExpertPages:
         self.hi = max(s.offset + s.nbytes * s.n_experts for s in self.slices.values())
         self.fd = os.open(self.path, os.O_RDONLY)
         os.fdatasync(self.fd)  # a freshly written file's dirty pages would survive POSIX_FADV_DONTNEED
+        os.posix_fadvise(self.fd, 0, 0, POSIX_FADV_RANDOM)  # our reads read what they ask for: no read-ahead
         self.size = os.fstat(self.fd).st_size
         self.addr = _libc.mmap(None, self.size, mmap.PROT_READ, mmap.MAP_SHARED, self.fd, 0)  # never touched
         if self.addr in (None, ctypes.c_void_p(-1).value):
@@ -216,6 +235,7 @@ class ExpertPages:
         self._keys = [(layer, e) for layer in sorted(self.nbytes) for e in range(self.slices[(layer, PARTS[0])].n_experts)]
         spans = np.array([self.ranges(*k) for k in self._keys], dtype=np.int64).reshape(-1, len(PARTS), 2)  # [N, 3, (off, n)]
         self._first, self._last = spans[..., 0] // PAGE, -(-(spans[..., 0] + spans[..., 1]) // PAGE)  # page ranges [N, 3]
+        self._buf = bytearray(int(spans[..., 1].max()))  # `stage` reads through it
 
     def ranges(self, layer: int, e: int) -> list[tuple[int, int]]:
         """(file offset, bytes) of expert e's gate, up and down slices."""
@@ -246,6 +266,22 @@ class ExpertPages:
                 n += nbytes
         return n
 
+    def stage(self, keys) -> None:
+        """Bring the experts `keys` {(layer, e)} into the page cache whole, now: every range's
+        readahead is issued first (all of them in flight together), then each is read through to
+        wait for it. A range already cached costs a memory copy."""
+        ranges = [r for layer, e in sorted(keys) for r in self.ranges(layer, e)]
+        for off, n in ranges:
+            os.posix_fadvise(self.fd, off, n, POSIX_FADV_WILLNEED)
+        view = memoryview(self._buf)
+        for off, n in ranges:
+            os.preadv(self.fd, [view[:n]], off)
+        view.release()
+
+    def stage_all(self) -> None:
+        """Every expert into the page cache (the resident reference)."""
+        self.stage([(layer, e) for layer, e in self._keys])
+
     def snapshot(self) -> np.ndarray:
         """Page-cache residency of every page of the file (mincore), as a bool array."""
         if _libc.mincore(self.addr, self.size, self._vec) != 0:
@@ -271,6 +307,13 @@ class ExpertPages:
 
 
 # -- the engine ---------------------------------------------------------------------------
+STAGING = {  # how the routed experts reach llama.cpp (recorded in every record's method_args)
+    "demand": "whole experts staged on demand from the router tap (fadvise WILLNEED + read, all of a layer's "
+              "in flight) before the expert matmuls; split evicted at every step/round (madvise + fadvise DONTNEED)",
+    "pagefault": "mmap page faults; expert pages evicted after every step/round (madvise + fadvise DONTNEED)",
+    "resident": "every expert read into the page cache at the start, never evicted",
+}
+
 def routed(model: LlamaModel, rows: slice = slice(None)) -> set[tuple[int, int]]:
     """{(layer, expert)} llama.cpp ran over the given positions of the last eval."""
     return {(layer, int(e)) for layer, idx in model.topk.items() for e in np.unique(idx[rows])}
@@ -287,12 +330,15 @@ class LlamaEngine:
     `router`). A round starts cold: the expert split is evicted at `begin_round`.
 
     The ledger sees what llama.cpp does not report: per forward, the unique layer-experts routed
-    (`requested`), those whose pages were not all in the page cache just before (`loads`), and the
-    bytes that entered the page cache (`page_cache_bytes`: the kernel's read-around included).
-    Stall time inside llama.cpp's page faults is not observable from here: recorded as NaN, not 0."""
+    (`requested`), those whose pages were not all in the page cache just before (`loads`), the
+    bytes that entered the page cache (`page_cache_bytes`: the kernel's read-around included),
+    and the stall: the load hook's wait (staging "demand"); NaN under "pagefault" (inside
+    llama.cpp's faults, not observable); 0 when resident."""
 
     def __init__(self, target: LlamaModel, pages: ExpertPages, drafter: LlamaModel | None = None,
-                 router: tuple | None = None, name: str = "ar"):
+                 router: tuple | None = None, name: str = "ar", staging: str = "demand"):
+        if staging not in STAGING:
+            raise ValueError(f"--staging: {staging!r} is not one of {', '.join(STAGING)}")
         if drafter is not None and build_info().get("LLAMAFILE") == "1":
             raise LlamaCppError(
                 "this llama.cpp build multiplies with llamafile's sgemm, whose results depend on the batch size: a "
@@ -302,18 +348,32 @@ class LlamaEngine:
         if drafter is not None and router is None:
             raise ValueError("a drafter needs the target's router (ModelConfig, biases) to predict verifier experts")
         self.target, self.drafter, self.pages, self.router, self.name = target, drafter, pages, router, name
+        self.staging = staging
         self.ledger = Ledger()
         self.page_cache_bytes = 0  # expert bytes that entered the page cache (read-around included)
+        self._stall: dict[int, float] = defaultdict(float)  # this forward's seconds waiting in `_stage`, per layer
+        self._prefetched: set[tuple[int, int]] = set()  # this round's WILLNEEDs, possibly still in flight
+        for m in (target, drafter):
+            if m is not None:
+                m.on_route = self._stage if staging == "demand" else None
+
+    def _stage(self, layer: int, experts: np.ndarray) -> None:
+        """The load hook (staging "demand"): layer's chosen experts, whole, before its matmuls."""
+        t0 = time.perf_counter()
+        self.pages.stage({(layer, int(e)) for e in np.unique(experts)})
+        self._stall[layer] += time.perf_counter() - t0
 
     def _forward(self, model: LlamaModel, tokens: list[int], phase: str) -> torch.Tensor:
         before = self.pages.snapshot()
+        self._stall.clear()
         with self.ledger.forward(phase, len(tokens)):
             logits = model.eval(tokens).copy()  # llama.cpp's buffer is rewritten by later evals
             after = self.pages.snapshot()
             for layer, idx in sorted(model.topk.items()):
                 es = np.unique(idx)
                 loads = sum(not self.pages.resident(before, layer, int(e)) for e in es)
-                self.ledger.record(layer, len(es), loads, loads * self.pages.nbytes[layer], float("nan"))
+                stall = float("nan") if self.staging == "pagefault" else self._stall[layer]
+                self.ledger.record(layer, len(es), loads, loads * self.pages.nbytes[layer], stall)
         self.page_cache_bytes += (self.pages.expert_pages(after) - self.pages.expert_pages(before)) * PAGE
         return torch.from_numpy(logits)
 
@@ -323,7 +383,10 @@ class LlamaEngine:
         for m in (self.target, self.drafter):
             if m is not None:
                 m.reset()
-        self.pages.evict()
+        if self.staging == "resident":
+            self.pages.stage_all()
+        else:
+            self.pages.evict()
 
     def prefill(self, ids: list[int]) -> torch.Tensor:
         return self._forward(self.target, ids, "prefill")[-1]
@@ -353,8 +416,12 @@ class LlamaEngine:
         return self.pages.resident_experts(self.pages.snapshot())
 
     def prefetch(self, keys: set[tuple[int, int]]) -> set[tuple[int, int]]:
-        self.ledger.record_prefetch(len(keys), self.pages.prefetch(keys))
-        return set(keys)
+        """WILLNEED on the experts not already cached (the drafter's own, or earlier prefetches)."""
+        issued = set(keys) - self.resident()
+        if issued:
+            self.ledger.record_prefetch(len(issued), self.pages.prefetch(issued))
+            self._prefetched |= issued
+        return issued
 
     def verify(self, start: int, ids: list[int]) -> torch.Tensor:
         self.target.rollback(start)
@@ -369,10 +436,16 @@ class LlamaEngine:
             self.drafter.rollback(min(self.drafter.n_tokens, length))
 
     def begin_round(self) -> None:
-        self.pages.evict()  # cold: nothing staged survives a round (torch engine: end_block)
+        if self.staging != "resident":
+            self.pages.evict()  # cold: nothing staged survives a round (torch engine: end_block)
 
     def end_round(self) -> None:
-        pass
+        """Let the round's unfinished prefetches land before the next round evicts: pages still under
+        I/O cannot be evicted, and would reach the next round as free (and unmetered) loads. The
+        wait is decode time: the reads were issued, their bandwidth is spent either way."""
+        if self._prefetched:
+            self.pages.stage(self._prefetched)
+            self._prefetched = set()
 
     def stats(self) -> dict:
         return {"ledger": self.ledger.summary(), "page_cache_bytes": self.page_cache_bytes}

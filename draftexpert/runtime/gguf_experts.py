@@ -12,6 +12,10 @@ the same file serves llama.cpp (platform mn's second engine) as split 2 of the m
 
 Types: F32, F16, BF16, Q4_0 (18-byte blocks of 32 weights: an f16 scale d, then 16 bytes whose low
 nibbles are weights 0–15 and high nibbles 16–31; w = d · (q − 8)), bit-identical to llama.cpp's.
+Q4_0 is dequantised by ggml's own `dequantize_row_q4_0` (the format's reference code, from the
+llama-cpp-python package, through ctypes: it releases the GIL, so the reader threads dequantise
+in parallel; measured ~4× faster than the same arithmetic as torch ops on this CPU), else by
+torch ops — the two are tested equal.
 """
 from __future__ import annotations
 
@@ -233,10 +237,37 @@ class ExpertFile:
             self.fd = -1
 
 
-def decode(buf, offset: int, nbytes: int, qtype: str, shape: tuple[int, int], device, dtype) -> torch.Tensor:
+def _ggml_q4_0():
+    """ggml's `dequantize_row_q4_0(src, dst, n)` from the llama-cpp-python package, or None."""
+    import ctypes
+    import importlib.util
+
+    spec = importlib.util.find_spec("llama_cpp")
+    if spec is None or spec.origin is None:
+        return None
+    for name in ("libggml-base.so", "libggml-base.dylib", "ggml-base.dll"):
+        path = Path(spec.origin).parent / "lib" / name
+        if path.exists():
+            fn = ctypes.CDLL(str(path)).dequantize_row_q4_0
+            fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64], None
+            return fn
+    return None
+
+
+_Q4_0 = _ggml_q4_0()
+
+
+def decode(buf, offset: int, nbytes: int, qtype: str, shape: tuple[int, int], device, dtype,
+           use_ggml: bool = True) -> torch.Tensor:
     """`nbytes` file bytes at `offset` of `buf` holding a [rows, cols] matrix → a new tensor in
-    `dtype` on `device` (moved raw, dequantised there; never a view of the staging buffer)."""
-    raw = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=offset).to(device)
+    `dtype` on `device` (dequantised on the host by ggml for Q4_0 on a CPU accelerator, else moved
+    raw and dequantised there; never a view of the staging buffer)."""
+    raw = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=offset)
+    if qtype == "q4_0" and use_ggml and _Q4_0 is not None and torch.device(device).type == "cpu":
+        out = torch.empty(shape, dtype=torch.float32)
+        _Q4_0(raw.data_ptr(), out.data_ptr(), out.numel())
+        return out if dtype == torch.float32 else out.to(dtype)
+    raw = raw.to(device)
     if qtype in ("f32", "f16", "bf16"):
         src = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[qtype]
         return raw.view(src).view(shape).to(dtype, copy=True)
