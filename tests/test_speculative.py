@@ -179,8 +179,8 @@ def test_prefetch_and_unique_accounting(models, store, monkeypatch):
     model.experts.capacity = 0
     model.experts.cache.clear()
     fetched = []
-    real_fetch = model.experts.fetch
-    monkeypatch.setattr(model.experts, "fetch",
+    real_fetch = model.experts.fetch_iter  # `fetch` goes through it too
+    monkeypatch.setattr(model.experts, "fetch_iter",
                         lambda layer, es, phase="ar": fetched.append((phase, layer, list(es))) or real_fetch(layer, es, phase))
     trace = []
     ids = prompt(5, 12)

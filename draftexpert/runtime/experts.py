@@ -92,14 +92,18 @@ class ExpertStore:
         return started
 
     def fetch(self, layer: int, experts: list[int], phase: str = "ar") -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(gate_up, down) for each expert of `layer`, loading what is missing; blocks until ready.
-        Ledger: requested = len(experts); loads / bytes = the on-demand loads this call started;
-        stall = the wall time spent waiting (on them and on unfinished prefetches)."""
+        """(gate_up, down) for each expert of `layer`, loading what is missing; blocks until ready."""
+        return list(self.fetch_iter(layer, experts, phase))
+
+    def fetch_iter(self, layer: int, experts: list[int], phase: str = "ar"):
+        """`fetch`, yielding each expert as soon as it is on the accelerator (in `experts`' order),
+        so the caller computes with the first while the others still load. Ledger (once every
+        expert was yielded): requested = len(experts); loads / bytes = the on-demand loads this
+        call started; stall = the wall time spent waiting (on them and on unfinished prefetches)."""
         missing = [e for e in experts if not self._available((layer, e))]
         nbytes = sum(self.expert_bytes((layer, e)) for e in missing)
         for e in missing:  # start every missing load before waiting on any: reads overlap
             self.inflight[(layer, e)] = self._start((layer, e))
-        t0 = time.perf_counter()
         ready = {}
         for e in experts:  # take what is on the accelerator before a finished load can evict it (LRU)
             key = (layer, e)
@@ -108,16 +112,18 @@ class ExpertStore:
                 ready[e] = self.cache[key]
             elif self.block is not None and key in self.block:
                 ready[e] = self.block[key]
+        stall = 0.0
         for e in experts:
             if e not in ready:
                 key = (layer, e)
+                t0 = time.perf_counter()
                 ready[e] = w = self._finish(self.inflight.pop(key))
+                stall += time.perf_counter() - t0
                 self._remember(key, w)
                 if self.block is not None:
                     self.block[key] = w
-        out = [ready[e] for e in experts]
-        self.ledger.record(layer, len(experts), len(missing), nbytes, time.perf_counter() - t0)
-        return out
+            yield ready[e]
+        self.ledger.record(layer, len(experts), len(missing), nbytes, stall)
 
     def _remember(self, key: Key, w) -> None:
         if self.capacity <= 0:

@@ -219,11 +219,11 @@ class MoEModel:
     # wraps them (gpt-fast), it does not copy them.
 
     def attention(self, L: dict, x: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor, pos: torch.Tensor,
-                  keys: torch.Tensor, cos, sin) -> torch.Tensor:
+                  keys: torch.Tensor, cos, sin, masked: bool = True) -> torch.Tensor:
         """x [T, H] (normed) → [T, H]. Writes rows `pos` [T] of the layer's cache (c_kv [S_max, r_kv],
         k_pe [S_max, d_r]) and attends causally to its rows `keys` [S] = 0 … S−1: eager, the cache's
-        live length; the compiled step, the whole preallocated cache (static shapes, the rows past
-        the current position masked)."""
+        live length (`masked` False for one token: it sees every key); the compiled step, the whole
+        preallocated cache (static shapes, the rows past the current position masked)."""
         c = self.cfg
         T = x.shape[0]
         q = F.linear(rms_norm(F.linear(x, L["q_a"]), L["q_ln"], c.eps), L["q_b"]) if c.r_q else F.linear(x, L["q"])
@@ -235,16 +235,17 @@ class MoEModel:
         ckv, kpe = c_kv[:keys.shape[0]], k_pe[:keys.shape[0]]  # [S, r_kv], [S, d_r]
         q_c = torch.bmm(q_nope.transpose(0, 1), L["w_uk"])  # absorbed: [n_h, T, d_n] @ [n_h, d_n, r_kv]
         scores = (q_c @ ckv.T + (q_pe.transpose(0, 1) @ kpe.T)) * self.softmax_scale  # [n_h, T, S]
-        scores = scores.masked_fill(keys > pos[:, None], float("-inf"))  # a row sees keys up to its own position
+        if masked:
+            scores = scores.masked_fill(keys > pos[:, None], float("-inf"))  # a row sees keys up to its own position
         out_c = scores.softmax(-1) @ ckv  # [n_h, T, r_kv]
         out = torch.bmm(out_c, L["w_uv_t"]).transpose(0, 1).reshape(T, c.heads * c.d_v)  # [n_h, T, d_v] → [T, n_h·d_v]
         return F.linear(out, L["o"])
 
-    def pre_ffn(self, L: dict, x: torch.Tensor, c_kv, k_pe, pos, keys, cos, sin):
+    def pre_ffn(self, L: dict, x: torch.Tensor, c_kv, k_pe, pos, keys, cos, sin, masked: bool = True):
         """x [T, H] → (x + attention, h = its post-attention norm, and on MoE layers the router's
         logits [T, E] with (w, idx) [T, top_k] best first; None on dense layers)."""
         c = self.cfg
-        x = x + self.attention(L, rms_norm(x, L["ln1"], c.eps), c_kv, k_pe, pos, keys, cos, sin)
+        x = x + self.attention(L, rms_norm(x, L["ln1"], c.eps), c_kv, k_pe, pos, keys, cos, sin, masked)
         h = rms_norm(x, L["ln2"], c.eps)
         if "gate" not in L:
             return x, h, None, None, None
@@ -257,12 +258,13 @@ class MoEModel:
         g, u = F.linear(x, gate_up).chunk(2, dim=-1)
         return F.linear(F.silu(g) * u, down)
 
-    def mix(self, x, h, gate_up, down, weights, expert_gate_ups, expert_downs) -> torch.Tensor:
-        """One token's FFN: x + MLP(h) + Σ_k w_k · expert_k(h) (x, h [1, H]; weights [r]; the experts
-        as the store hands them over, no gather)."""
+    def mix(self, x, h, gate_up, down, weights, experts) -> torch.Tensor:
+        """One token's FFN: x + MLP(h) + Σ_k w_k · expert_k(h) (x, h [1, H]; weights [r]; `experts`
+        the (gate_up, down) pairs as the store hands them over, no gather — eager, an iterator
+        that yields each as it lands, so expert k computes while k+1 still loads)."""
         out = self.mlp(h, gate_up, down)
-        for k in range(len(expert_gate_ups)):
-            out = out + weights[k] * self.mlp(h, expert_gate_ups[k], expert_downs[k])
+        for k, (expert_gate_up, expert_down) in enumerate(experts):
+            out = out + weights[k] * self.mlp(h, expert_gate_up, expert_down)
         return x + out
 
     @staticmethod
@@ -290,8 +292,7 @@ class MoEModel:
         if h.shape[0] == 1:  # decoding: r distinct experts, no gather / scatter needed
             chosen = idx[0].tolist()
             self.last_fetched[i] = chosen
-            experts = self.experts.fetch(i, chosen, phase)
-            return self.mix(x, h, gate_up, down, w[0], [e[0] for e in experts], [e[1] for e in experts])
+            return self.mix(x, h, gate_up, down, w[0], self.experts.fetch_iter(i, chosen, phase))
         out = self.mlp(h, gate_up, down)
         unique = torch.unique(idx).tolist()
         self.last_fetched[i] = unique
@@ -326,7 +327,7 @@ class MoEModel:
         pos, keys = cache.positions[start:start + T], cache.positions[:start + T]
         x = self.embed[ids.to(self.embed.device)]
         for i, L in enumerate(self.layers):
-            x, h, logits, w, idx = self.pre_ffn(L, x, cache.c_kv[i], cache.k_pe[i], pos, keys, cos, sin)
+            x, h, logits, w, idx = self.pre_ffn(L, x, cache.c_kv[i], cache.k_pe[i], pos, keys, cos, sin, T > 1)
             if idx is None:
                 x = x + self.mlp(h, L["dense_gate_up"], L["dense_down"])
                 continue
@@ -378,13 +379,12 @@ class MoEModel:
         for i, L in enumerate(self.layers):
             x, h, _, w, idx = f["pre_ffn"](L, x, cache.c_kv[i], cache.k_pe[i], pos, keys, cos, sin)
             if idx is None:
-                x = f["mix"](x, h, L["dense_gate_up"], L["dense_down"], no_experts, [], [])
+                x = f["mix"](x, h, L["dense_gate_up"], L["dense_down"], no_experts, [])
                 continue
             (gate_up, down), w, idx = self.moe_experts(i, w, idx, path)
             chosen = idx[0].tolist()
             self.last_fetched[i] = chosen
-            experts = self.experts.fetch(i, chosen, phase)
-            x = f["mix"](x, h, gate_up, down, w[0], [e[0] for e in experts], [e[1] for e in experts])
+            x = f["mix"](x, h, gate_up, down, w[0], self.experts.fetch(i, chosen, phase))
         return f["head"](x)
 
     def _step_resident(self, ids, cache, path, pos, keys, cos, sin):
