@@ -10,10 +10,12 @@ from pathlib import Path
 
 from bench.decoders import SpecOptions
 
-# (label, method, spec overrides): the paper's top-r baseline is plain self-speculation (fixed K,
-# no prefetch); DraftExpert runs with truncation and prefetch (Table 2's "DE").
+# (label, method, spec overrides; "platform" overrides the set's): the paper's top-r baseline is
+# plain self-speculation (fixed K, no prefetch); DraftExpert runs with truncation and prefetch
+# (Table 2's "DE"); AR with every expert resident is the upper bound beside them.
 METHODS = [
     ("ar", "ar", {}),
+    ("ar-resident", "ar", {"platform": "resident"}),
     ("top-1", "top-r", {"r": 1, "truncate": False, "prefetch": False}),
     ("top-2", "top-r", {"r": 2, "truncate": False, "prefetch": False}),
     ("top-3", "top-r", {"r": 3, "truncate": False, "prefetch": False}),
@@ -65,10 +67,14 @@ def compare(model: str, folder: Path, platform: str, prompts: list[dict], out_di
     for label, method, over in SETS[method_set]:
         if labels and label not in labels:
             continue
-        decoder, tokenizer, cfg = make_decoder(model, folder, method, platform, expert_type=expert_type,
+        over = dict(over)
+        cell_platform = over.pop("platform", platform)
+        if cell_platform != platform and (read_bw or platform != "mn"):
+            continue  # the resident bound is measured once, beside the uncapped mn rows
+        decoder, tokenizer, cfg = make_decoder(model, folder, method, cell_platform, expert_type=expert_type,
                                                max_new_tokens=max_new_tokens, expert_file=expert_file,
                                                spec=spec.with_(**over), compile=compile, engine=engine,
-                                               staging=staging)
+                                               staging=staging, resident_from_file=cell_platform != platform)
         run_dir = out_dir / label
         log(f"== {label} → {run_dir}")
         if read_bw:
@@ -82,10 +88,19 @@ def compare(model: str, folder: Path, platform: str, prompts: list[dict], out_di
         rows[label] = metrics.aggregate(recs)
         rows[label]["tokens"] = {r["prompt_id"]: r["tokens"] for r in recs}
         rows[label]["method_args"] = cfg.method_args
+        rows[label]["platform"] = cfg.platform
+    bw = read_bw or _measured_read_bw(machine)
     for row in rows.values():
         row.update(metrics.relative(row, rows.get("ar")))
+        row["physical_limit_tps"] = metrics.physical_limit_tps(row, bw) if row["platform"] != "resident" else None
     same = {label: all(row["tokens"][p] == rows["ar"]["tokens"][p] for p in row["tokens"])
             for label, row in rows.items() if "ar" in rows and label != "ar"}
     return {"model": model, "platform": platform, "engine": engine, "set": method_set, "expert_type": expert_type if platform == "mn" else None,
-            "max_new_tokens": max_new_tokens, "read_bw": read_bw, "spec": spec.as_dict(), "methods": rows,
-            "tokens_equal_ar": same}
+            "max_new_tokens": max_new_tokens, "read_bw": read_bw, "limit_read_bw": bw, "spec": spec.as_dict(),
+            "methods": rows, "tokens_equal_ar": same}
+
+
+def _measured_read_bw(machine: dict | None) -> float | None:
+    """Bytes/s the machine's storage read (O_DIRECT, median) when `bench env` measured it."""
+    io = ((machine or {}).get("storage") or {}).get("odirect_read") or {}
+    return io["gb_per_s_median"] * 1e9 if "gb_per_s_median" in io else None

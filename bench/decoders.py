@@ -112,11 +112,13 @@ def make_decoder(model: str, folder: Path, method: str, platform: str, expert_ty
                  cache_experts: int = 0, staging_budget: int = 0, temperature: float = 0.0, seed: int = 0,
                  max_new_tokens: int = 64, expert_file: Callable[[str], Path] | None = None,
                  spec: SpecOptions = SpecOptions(), compile: bool = False, engine: str = "torch",
-                 staging: str = "demand"):
+                 staging: str = "demand", resident_from_file: bool = False):
     """(decoder, tokenizer, cell config) for a method on a platform. `expert_file(type)` gives
     the GGUF expert file of the checkpoint (written once) for platform mn; `spec` the speculative
     methods' options. `engine`: torch, or llama.cpp (platforms mn and resident; `staging` how it
-    brings experts from storage on mn)."""
+    brings experts from storage on mn). `resident_from_file`: platform resident holds the expert
+    file's (`expert_type`) experts — the same model as an mn run of that file, nothing moved
+    (llama.cpp's resident platform always does)."""
     import torch
 
     if engine not in ENGINES:
@@ -143,10 +145,13 @@ def make_decoder(model: str, folder: Path, method: str, platform: str, expert_ty
 
     store = PLATFORMS[platform]
     device = "cuda" if platform == "cg" and torch.cuda.is_available() else "cpu"
-    gguf = expert_file(expert_type) if store == "flash" else None
+    from_file = store == "flash" or (store == "resident" and resident_from_file)
+    gguf = expert_file(expert_type) if from_file else None
     target = build_model(folder, store, device=device, gguf_path=gguf, cache_experts=cache_experts,
                          staging_budget_bytes=staging_budget)
     args = {"store": store, "device": device, "cache_experts": cache_experts}
+    if store == "resident" and from_file:  # recorded only then, so checkpoint-resident cells keep their keys
+        args["expert_type"] = expert_type
     if compile:  # recorded only when on, so earlier eager cells keep their keys
         target.compile_decode()
         args["compiled"] = True

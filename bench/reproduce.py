@@ -94,14 +94,15 @@ def spec_compare(results_dir: Path, log, per_suite: int = FIG1B_PER_SUITE, token
         de = res["methods"]["draftexpert"]["method_args"]["draft_experts"]
         de = ("untrained (zero: shared + top-1)" if de["preset"] == "zero"
               else f"distilled, preset {de['preset']} ({de['file']})")
-        where = "(Q4_0 experts from flash, cold)" if engine == "torch" else (
-            f"through llama.cpp (Q4_0 GGUF, experts staged from storage: {res['methods']['ar']['method_args']['staging']}; "
-            "stall inside llama.cpp's page faults is not observable, so the loading share is NaN)")
+        where = ("(Q4_0 experts from flash with O_DIRECT, whole experts on demand, cold)" if engine == "torch" else
+                 f"through llama.cpp (Q4_0 GGUF, experts staged from storage: {res['methods']['ar']['method_args']['staging']})")
         write_json_atomic(results_dir / f"spec_compare_{model}_mn{tag}.json", res)
         (results_dir / f"spec_compare_{model}_mn{tag}.md").write_text(
             f"{model} on mn {where}, {per_suite} prompts per suite, "
             f"{tokens} new tokens, greedy, K_max = 4, τ = 0.6, B = 24, {FIG1B_THREADS} thread; DraftExpert's draft "
-            f"experts: {de}. Tokens equal AR: {res['tokens_equal_ar']}.\n\n" + table(res) + "\n")
+            f"experts: {de}. `ar-resident`: AR with every expert resident (the upper bound); limit TPS = the "
+            f"storage's measured read bandwidth ({(res['limit_read_bw'] or 0) / 1e9:.2f} GB/s, O_DIRECT) ÷ bytes "
+            f"moved per token. Tokens equal AR: {res['tokens_equal_ar']}.\n\n" + table(res) + "\n")
         written += [f"results/runs/compare-{model}-mn{tag.replace('_', '-')}/*", f"results/spec_compare_{model}_mn{tag}.md",
                     f"results/spec_compare_{model}_mn{tag}.json"]
     return written
@@ -134,8 +135,8 @@ def table4(results_dir: Path, log, per_suite: int = FIG1B_PER_SUITE, tokens: int
 
     written = []
     tag = "_llama.cpp" if engine == "llama.cpp" else ""
-    where = "through llama.cpp (Q4_0 GGUF, experts staged from storage by page faults)" if engine == "llama.cpp" \
-        else "(Q4_0 experts from flash, cold)"
+    where = "through llama.cpp (Q4_0 GGUF, whole experts staged on demand from the router tap)" \
+        if engine == "llama.cpp" else "(Q4_0 experts from flash, cold)"
     for model in ("ds-tiny", "ml-tiny"):
         res = _compare_on_mn(results_dir, log, model, per_suite, tokens, "table4", engine=engine)
         write_json_atomic(results_dir / f"table4_{model}_mn{tag}.json", res)

@@ -10,7 +10,8 @@ def table(result: dict) -> str:
             ("mean_accepted_length", "τ", "{:.2f}"), ("draft_unique_per_round", "draft uniq", "{:.1f}"),
             ("verify_unique_per_round", "verify uniq", "{:.1f}"), ("loads_per_token", "loads/tok", "{:.1f}"),
             ("mib_per_token", "MiB/tok", "{:.2f}"), ("prefetch_hit_rate", "hit", "{:.2f}"),
-            ("prefetch_waste_rate", "waste", "{:.2f}"), ("loading_share", "load share", "{:.2f}")]
+            ("prefetch_waste_rate", "waste", "{:.2f}"), ("loading_share", "load share", "{:.2f}"),
+            ("physical_limit_tps", "limit TPS", "{:.1f}")]
     lines = ["| method | " + " | ".join(c[1] for c in cols) + " |", "|---" * (len(cols) + 1) + "|"]
     for label, row in result["methods"].items():
         cells = [fmt.format(row[k]) if row.get(k) is not None else "–" for k, _, fmt in cols]

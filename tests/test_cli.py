@@ -33,7 +33,8 @@ def test_reproduce_writes_fig1a_and_lists_pending(tmp_path):
     s = json.loads(p.stdout)
     for model in ("ds-tiny", "ml-tiny"):
         spec = json.loads((tmp_path / f"spec_compare_{model}_mn.json").read_text())
-        assert set(spec["methods"]) == {"ar", "top-1", "top-2", "top-3", "draftexpert"}
+        assert set(spec["methods"]) == {"ar", "ar-resident", "top-1", "top-2", "top-3", "draftexpert"}
+        assert spec["methods"]["ar"]["physical_limit_tps"] > 0 and spec["methods"]["ar-resident"]["physical_limit_tps"] is None
         assert all(spec["tokens_equal_ar"].values()) and spec["methods"]["top-1"]["acceptance"] is not None
         assert spec["methods"]["draftexpert"]["method_args"]["draft_experts"]["preset"] == "full"
         f3 = (tmp_path / f"fig3_{model}_mn.md").read_text()
@@ -44,7 +45,8 @@ def test_reproduce_writes_fig1a_and_lists_pending(tmp_path):
         assert t4["methods"]["conf-exp-prefetch"]["prefetch_hit_rate"] is not None
         lc = json.loads((tmp_path / f"spec_compare_{model}_mn_llama.cpp.json").read_text())
         assert lc["engine"] == "llama.cpp" and set(lc["methods"]) == set(spec["methods"])
-        assert all(lc["tokens_equal_ar"].values())
+        assert all(lc["tokens_equal_ar"].values())  # demand staging and the resident bound included
+        assert lc["methods"]["ar"]["loading_share"] > 0 and lc["methods"]["ar-resident"]["decode_loads"] == 0
         f45 = json.loads((tmp_path / f"fig45_{model}_mn.json").read_text())["curves"]
         assert f45["length"] == list(range(1, 9)) and f45["unique"][0] == 30  # one AR step: 5 MoE layers × top-6
         assert all(a <= b for a, b in zip(f45["unique"], f45["unique"][1:])) and f45["unique"][-1] <= f45["linear"][-1]

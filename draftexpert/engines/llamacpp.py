@@ -236,6 +236,7 @@ class ExpertPages:
         spans = np.array([self.ranges(*k) for k in self._keys], dtype=np.int64).reshape(-1, len(PARTS), 2)  # [N, 3, (off, n)]
         self._first, self._last = spans[..., 0] // PAGE, -(-(spans[..., 0] + spans[..., 1]) // PAGE)  # page ranges [N, 3]
         self._buf = bytearray(int(spans[..., 1].max()))  # `stage` reads through it
+        self._mappings: list[tuple[int, int]] | None = None  # (start, end) of llama.cpp's mappings of the file
 
     def ranges(self, layer: int, e: int) -> list[tuple[int, int]]:
         """(file offset, bytes) of expert e's gate, up and down slices."""
@@ -246,16 +247,24 @@ class ExpertPages:
         (the whole file: a large folio can straddle the header and the first expert); mark the
         mappings MADV_RANDOM, so a fault reads its own page, not the kernel's read-around window
         (8 MiB on this VM's disk: one fault would stage a third of the experts). The header is
-        read once at load; after that only expert pages are ever touched."""
+        read once at load; after that only expert pages are ever touched. The mappings are found
+        once (`find_mappings`, at every sequence's start): reading /proc/self/maps at every step
+        cost ~1.8 ms here, charged to AR once per token and to speculation once per round."""
+        if self._mappings is None:
+            self.find_mappings()
+        for start, end in self._mappings:
+            _libc.madvise(start, end - start, MADV_DONTNEED)
+            _libc.madvise(start, end - start, MADV_RANDOM)
+        os.posix_fadvise(self.fd, 0, 0, POSIX_FADV_DONTNEED)
+
+    def find_mappings(self) -> None:
+        """Every mapping of the file in this process (llama.cpp maps it once per model loaded)."""
+        self._mappings = []
         with open("/proc/self/maps") as maps:
             for line in maps:
                 fields = line.split()
-                if len(fields) < 6 or fields[5] != str(self.path):
-                    continue
-                start, end = (int(x, 16) for x in fields[0].split("-"))
-                _libc.madvise(start, end - start, MADV_DONTNEED)
-                _libc.madvise(start, end - start, MADV_RANDOM)
-        os.posix_fadvise(self.fd, 0, 0, POSIX_FADV_DONTNEED)
+                if len(fields) >= 6 and fields[5] == str(self.path):
+                    self._mappings.append(tuple(int(x, 16) for x in fields[0].split("-")))
 
     def prefetch(self, keys) -> int:
         """Asynchronous readahead of the experts `keys` {(layer, e)}; returns bytes requested."""
@@ -383,6 +392,7 @@ class LlamaEngine:
         for m in (self.target, self.drafter):
             if m is not None:
                 m.reset()
+        self.pages.find_mappings()  # the models are loaded: their mappings are known from here on
         if self.staging == "resident":
             self.pages.stage_all()
         else:

@@ -223,9 +223,10 @@ class ExpertFile:
         try:
             if ou == og + g.nbytes:  # gate and up adjacent: one decode
                 gate_up = decode(raw.buf, og, 2 * g.nbytes, g.qtype, (2 * g.shape[0], g.shape[1]), device, dtype)
-            else:
-                gate_up = torch.cat([decode(raw.buf, og, g.nbytes, g.qtype, g.shape, device, dtype),
-                                     decode(raw.buf, ou, u.nbytes, u.qtype, u.shape, device, dtype)])
+            else:  # each half decoded in place: no concatenated copy
+                gate_up = torch.empty(2 * g.shape[0], g.shape[1], device=device, dtype=dtype)
+                decode(raw.buf, og, g.nbytes, g.qtype, g.shape, device, dtype, out=gate_up[:g.shape[0]])
+                decode(raw.buf, ou, u.nbytes, u.qtype, u.shape, device, dtype, out=gate_up[g.shape[0]:])
             down = decode(raw.buf, od, d.nbytes, d.qtype, d.shape, device, dtype)
         finally:
             self.release(raw)
@@ -258,15 +259,18 @@ _Q4_0 = _ggml_q4_0()
 
 
 def decode(buf, offset: int, nbytes: int, qtype: str, shape: tuple[int, int], device, dtype,
-           use_ggml: bool = True) -> torch.Tensor:
-    """`nbytes` file bytes at `offset` of `buf` holding a [rows, cols] matrix → a new tensor in
-    `dtype` on `device` (dequantised on the host by ggml for Q4_0 on a CPU accelerator, else moved
-    raw and dequantised there; never a view of the staging buffer)."""
+           use_ggml: bool = True, out: torch.Tensor | None = None) -> torch.Tensor:
+    """`nbytes` file bytes at `offset` of `buf` holding a [rows, cols] matrix → a tensor in `dtype`
+    on `device`, new or `out` (dequantised on the host by ggml for Q4_0 on a CPU accelerator, else
+    moved raw and dequantised there; never a view of the staging buffer)."""
     raw = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=offset)
-    if qtype == "q4_0" and use_ggml and _Q4_0 is not None and torch.device(device).type == "cpu":
-        out = torch.empty(shape, dtype=torch.float32)
-        _Q4_0(raw.data_ptr(), out.data_ptr(), out.numel())
-        return out if dtype == torch.float32 else out.to(dtype)
+    if qtype == "q4_0" and use_ggml and _Q4_0 is not None and torch.device(device).type == "cpu" \
+            and (out is None or out.dtype == torch.float32):
+        dst = out if out is not None else torch.empty(shape, dtype=torch.float32)
+        _Q4_0(raw.data_ptr(), dst.data_ptr(), dst.numel())
+        return dst if dtype == torch.float32 else dst.to(dtype)
+    if out is not None:
+        return out.copy_(decode(buf, offset, nbytes, qtype, shape, device, dtype, use_ggml))
     raw = raw.to(device)
     if qtype in ("f32", "f16", "bf16"):
         src = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[qtype]

@@ -107,6 +107,19 @@ def routed_experts(ckpt: Checkpoint, hf_config) -> Iterator[tuple[int, torch.Ten
         yield layer, gate_up, down
 
 
+def expert_file_layers(path: Path, device, dtype) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+    """(layer, gate_up [E, 2I, H], down [E, H, I]) of a GGUF expert file, dequantised, a layer at a time."""
+    from draftexpert.runtime.gguf_experts import ExpertFile
+
+    f = ExpertFile(Path(path), staging_buffers=1)
+    try:
+        for layer in f.layers:
+            pairs = [f.dequantize(f.read_expert(layer, e), device, dtype) for e in range(f.slices[(layer, 'gate')].n_experts)]
+            yield layer, torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
+    finally:
+        f.close()
+
+
 def gguf_meta(hf_config) -> dict:
     return dict(n_layer=hf_config.num_hidden_layers, n_expert=hf_config.n_routed_experts, n_embd=hf_config.hidden_size,
                 n_ff_exp=hf_config.moe_intermediate_size, first_dense=hf_config.first_k_dense_replace)
@@ -123,7 +136,9 @@ def convert_experts(folder: Path, out: Path, qtype: str = "q4_0") -> Path:
 def build_model(folder: Path, store: str = "resident", device: str = "cpu", dtype: torch.dtype = torch.float32,
                 gguf_path: Path | None = None, cache_experts: int = 0, staging_budget_bytes: int = 0,
                 io_threads: int = 6, ledger: Ledger | None = None) -> MoEModel:
-    """A lean model over `store` ∈ {resident, host, flash}; flash reads `gguf_path` (see `convert_experts`)."""
+    """A lean model over `store` ∈ {resident, host, flash}; flash reads `gguf_path` (see
+    `convert_experts`); resident with a `gguf_path` holds that file's experts, dequantised (the
+    resident upper bound of a quantised mn run: the same model, nothing moved)."""
     cfg = load_config(folder)
     ckpt = Checkpoint(folder)
     weights = non_routed_weights(ckpt, device, dtype)
@@ -135,7 +150,9 @@ def build_model(folder: Path, store: str = "resident", device: str = "cpu", dtyp
         experts = FlashStore(gguf_path, io_threads=io_threads, staging_budget_bytes=staging_budget_bytes, **kw)
     elif store in ("resident", "host"):
         gate_up, down = {}, {}
-        for layer, gu, dn in routed_experts(ckpt, cfg):
+        layers = expert_file_layers(gguf_path, device, dtype) if store == "resident" and gguf_path else \
+            routed_experts(ckpt, cfg)
+        for layer, gu, dn in layers:
             gate_up[layer], down[layer] = gu.to(dtype), dn.to(dtype)
         experts = ResidentStore(gate_up, down, **kw) if store == "resident" else HostStore(gate_up, down, **kw)
     else:
