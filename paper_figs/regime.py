@@ -13,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import matplotlib
+import matplotlib.ticker
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -71,7 +72,7 @@ def _share_crossing(rs: list[dict], share: float) -> float | None:
 
 def figure(results: list[dict], out_stem: Path, source: str) -> list[Path]:
     """`results`: one regime result per engine (same model and platform)."""
-    fig, (ax, ax_tps) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (ax, ax_tps) = plt.subplots(1, 2, figsize=(11, 5.5))
     share_ax = ax.twinx()
     colors = {"torch": "#4c72b0", "llama.cpp": "#dd8452"}
     top = 1.0
@@ -93,10 +94,17 @@ def figure(results: list[dict], out_stem: Path, source: str) -> list[Path]:
         ax_tps.plot(bw, [r["ar_limit_tps"] for r in rs], ls="--", lw=1, color=c, label=f"AR physical limit ({res['engine']})")
         ax_tps.plot(bw, [r["de_limit_tps"] for r in rs], ls=":", lw=1, color=c,
                     label=f"DraftExpert physical limit ({res['engine']})")
+    if not any(_share_crossing([r for r in rows(res) if r["read_bw"]], PAPER_MN_LOADING_SHARE) for res in results):
+        ax.axhline(PAPER_SPEEDUP["mn"], color="grey", ls=":", lw=0.8,
+                   label=f"paper MN (DS) {PAPER_SPEEDUP['mn']}× (its AR loading share {PAPER_MN_LOADING_SHARE:.2f} "
+                         "is below every one measured here)")
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.axhline(PAPER_SPEEDUP["cg"], color="grey", ls="-.", lw=0.8, label="paper CG (DS) 1.36× (no loading share stated)")
+    ticks = sorted({r["read_bw"] / 1e6 for res in results for r in rows(res) if r["read_bw"]})
     for a in (ax, ax_tps):
         a.set_xscale("log")
+        a.set_xticks(ticks, [f"{t:g}" for t in ticks])
+        a.minorticks_off()
         a.set_xlabel("storage read cap (MB/s, kernel throttle)")
         a.grid(alpha=0.3)
     ax.set_ylabel("decode speed-up over AR offload")
@@ -104,13 +112,15 @@ def figure(results: list[dict], out_stem: Path, source: str) -> list[Path]:
     share_ax.set_ylabel("AR loading share (dotted)")
     share_ax.set_ylim(0, 1.05)
     ax_tps.set_yscale("log")
+    ax_tps.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    ax_tps.yaxis.set_minor_formatter(matplotlib.ticker.ScalarFormatter())
     ax_tps.set_ylabel("decode tokens/s")
     ax.set_title("Speed-up vs read bandwidth (measured, capped for real)", fontsize=9)
     ax_tps.set_title("Throughput and the physical limit (read bw ÷ bytes per token)", fontsize=9)
     h1, l1 = ax.get_legend_handles_labels()
     h2, l2 = share_ax.get_legend_handles_labels()
-    ax.legend(h1 + h2, l1 + l2, fontsize=6, loc="upper left")
-    ax_tps.legend(fontsize=6, loc="upper left")
+    ax.legend(h1 + h2, l1 + l2, fontsize=6, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=2)
+    ax_tps.legend(fontsize=6, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=2)
     fig.suptitle(f"{results[0]['model']} on {results[0]['platform']} — {source}", fontsize=8)
     fig.tight_layout()
     return save(fig, out_stem)
