@@ -53,6 +53,17 @@ def block_device(path: Path) -> str:
     return dev
 
 
+def _remove_stale_groups(root: Path) -> None:
+    """Groups left by a killed run (its process gone, the group empty) are removed."""
+    for group in root.glob("draftexpert-readcap-*"):
+        pid = group.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            try:
+                group.rmdir()
+            except OSError:
+                pass
+
+
 class ReadCap:
     """The cap as a context: `with ReadCap(rate, path): ...` runs the block with this process's
     reads from `path`'s disk throttled to `rate` bytes/s; `set(rate)` changes it in place."""
@@ -75,6 +86,7 @@ class ReadCap:
     def __enter__(self) -> ReadCap:
         root = self._root()
         self.parent = root
+        _remove_stale_groups(root)
         self.group = root / f"draftexpert-readcap-{os.getpid()}"
         try:
             self.group.mkdir(exist_ok=True)
