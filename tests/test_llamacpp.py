@@ -211,15 +211,15 @@ def test_experts_come_from_storage(disk_dir):
     lm.eval([42])
     snap = pages.snapshot()
     routed = {(layer, int(e)) for layer, idx in lm.topk.items() for e in idx.ravel()}
-    assert all(pages.resident(snap, layer, e) for layer, e in routed)
+    assert routed <= pages.resident_experts(snap)
     total_experts = 5 * 64
     assert pages.expert_pages(snap) < pages.expert_pages(np.ones_like(snap)) * (len(routed) + 4) / total_experts
     pages.evict()
     pages.prefetch({(2, 5)})
     deadline = time.time() + 5
-    while not pages.resident(pages.snapshot(), 2, 5) and time.time() < deadline:
+    while (2, 5) not in pages.resident_experts(pages.snapshot()) and time.time() < deadline:
         time.sleep(0.01)
-    assert pages.resident(pages.snapshot(), 2, 5)
+    assert (2, 5) in pages.resident_experts(pages.snapshot())
     lm.close()
     pages.close()
 

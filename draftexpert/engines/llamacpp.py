@@ -13,7 +13,7 @@ Pieces:
     prefetch  posix_fadvise(POSIX_FADV_WILLNEED) on an expert's three byte ranges (async readahead).
     stage     the experts a layer's router chose, whole and all in flight together: fadvise
               WILLNEED on every range, then a read through each to wait for it.
-    resident  mincore over our own (never touched) shared mapping: which experts are cached.
+    resident_experts  mincore over our own (never touched) shared mapping: which experts are cached.
   Staging (`STAGING`) is real — experts come from storage, the split evicted at the start of
   every AR step / speculation round (the paper's cold setting):
     demand     (default; the paper's MN baseline) the load hook `LlamaModel.on_route` runs in the
@@ -297,12 +297,8 @@ class ExpertPages:
             raise OSError(ctypes.get_errno(), f"mincore on {self.path} failed")
         return np.frombuffer(self._vec, dtype=np.uint8) & 1 == 1
 
-    def resident(self, snap: np.ndarray, layer: int, e: int) -> bool:
-        """Every page of expert e's three slices was cached in `snap`."""
-        return all(snap[off // PAGE:-(-(off + n) // PAGE)].all() for off, n in self.ranges(layer, e))
-
     def resident_experts(self, snap: np.ndarray) -> set[tuple[int, int]]:
-        """Every (layer, e) whose three slices are wholly cached in `snap` (vectorised `resident`)."""
+        """Every (layer, e) whose three slices are wholly cached in `snap` (all pages of each)."""
         cached = np.concatenate([[0], np.cumsum(snap, dtype=np.int64)])  # cached[p] = cached pages before p
         full = ((cached[self._last] - cached[self._first]) == (self._last - self._first)).all(axis=1)
         return {self._keys[i] for i in np.flatnonzero(full)}
@@ -378,9 +374,10 @@ class LlamaEngine:
         with self.ledger.forward(phase, len(tokens)):
             logits = model.eval(tokens).copy()  # llama.cpp's buffer is rewritten by later evals
             after = self.pages.snapshot()
+            cached = self.pages.resident_experts(before)
             for layer, idx in sorted(model.topk.items()):
                 es = np.unique(idx)
-                loads = sum(not self.pages.resident(before, layer, int(e)) for e in es)
+                loads = sum((layer, int(e)) not in cached for e in es)
                 stall = float("nan") if self.staging == "pagefault" else self._stall[layer]
                 self.ledger.record(layer, len(es), loads, loads * self.pages.nbytes[layer], stall)
         self.page_cache_bytes += (self.pages.expert_pages(after) - self.pages.expert_pages(before)) * PAGE
