@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from draftexpert.decoding import DecodeOutput, Engine, sample
+from draftexpert.decoding import DecodeOutput, Engine, check_context, sample
 
 
 class AROffloadDecoder:
@@ -22,6 +22,13 @@ class AROffloadDecoder:
     def close(self) -> None:
         self.engine.close()
 
+    @property
+    def context_length(self) -> int:
+        return self.engine.context_length
+
+    def positions(self, prompt_tokens: int, max_new_tokens: int) -> int:
+        return prompt_tokens + max_new_tokens
+
     def decode_one_token(self, token: int) -> torch.Tensor:
         """One AR step: logits [V] of the next position."""
         self.engine.begin_round()
@@ -33,7 +40,9 @@ class AROffloadDecoder:
     def generate(self, prompt_ids: list[int], max_new_tokens: int, eos_token_id: int | None = None) -> DecodeOutput:
         eng = self.engine
         gen = torch.Generator().manual_seed(self.seed) if self.temperature > 0 else None
-        eng.start(len(prompt_ids) + max_new_tokens)
+        need = self.positions(len(prompt_ids), max_new_tokens)
+        check_context(need, self.context_length, len(prompt_ids), max_new_tokens)
+        eng.start(need)
         t0 = time.perf_counter()
         tokens = [sample(eng.prefill(prompt_ids), self.temperature, gen)]
         t1 = time.perf_counter()

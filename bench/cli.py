@@ -104,7 +104,7 @@ def models(model_path: ModelPathOpt = None, as_json: JsonOpt = False):
                      f"{c['moe_intermediate_size']}, experts {c['n_routed_experts']} routed + {c['n_shared_experts']} shared, "
                      f"top-{c['num_experts_per_tok']} {c['scoring_func']}, first_k_dense {c['first_k_dense_replace']}, "
                      f"kv_lora {c['kv_lora_rank']}, q_lora {c['q_lora_rank']}, vocab {c['vocab_size']}")
-        lines.append("         " + ("at " + r["path"] if r["present"] else "looked in: " + "; ".join(r["searched"])))
+        lines.append("         " + ("at " + r["path"] if r["present"] else r["not_it"] or "looked in: " + "; ".join(r["searched"])))
     emit(rows, as_json, "\n".join(lines))
 
 
@@ -321,6 +321,7 @@ def _read_bw(text: str | None) -> int | None:
 def _named_errors():
     """What building a decoder or running cells raises for bad input becomes a one-line error."""
     from bench.readcap import ReadCapError
+    from bench.results import RunFolderError
     from draftexpert.engines.llamacpp import LlamaCppError
     from draftexpert.runtime.gguf_experts import ExpertFileError
     from draftexpert.runtime.loader import CheckpointError
@@ -329,10 +330,86 @@ def _named_errors():
         yield
     except (CheckpointError, ExpertFileError, LlamaCppError, ReadCapError, ValueError) as e:  # DistillError: a ValueError
         fail(str(e))
+    except RunFolderError as e:
+        fail(str(e), code=1)
+
+
+@contextmanager
+def _resumable(where: Path):
+    """Ctrl-C ends a sweep with one line: finished records are kept, the same command resumes."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        log(f"\ninterrupted — rerun the same command to resume (finished records are kept in {where})")
+        raise typer.Exit(130) from None
+
+
+def _run_dir(out: Path | None, default: Path) -> Path:
+    """--out (or the default run folder), checked before any model is loaded."""
+    from bench.results import RunFolderError, check_run_dir
+
+    try:
+        return check_run_dir(out or default)
+    except RunFolderError as e:
+        fail(str(e), code=1)
+
+
+def _machine() -> dict:
+    """The machine block of a run: telemetry, with the storage the experts are read from."""
+    from bench.telemetry import collect, expert_storage
+
+    return collect(expert_storage(), measure_io=True, keep_probe=True)
+
+
+def _refuse_flags(ctx: typer.Context, names: list[str], why: str, warn: bool = False) -> None:
+    """Flags given on the command line that do not apply are refused (or, where they cannot change
+    the result, warned about) — never silently ignored."""
+    given = [p.opts[0] for p in ctx.command.params  # typer's own click: compare the source by name
+             if p.name in names and getattr(ctx.get_parameter_source(p.name), "name", None) == "COMMANDLINE"]
+    if given:
+        msg = f"{', '.join(given)} {'does' if len(given) == 1 else 'do'} not apply {why}"
+        if warn:
+            log(f"warning: {msg}; ignored")
+        else:
+            fail(msg)
+
+
+SPEC_FLAGS = ["r", "k_max", "tau", "budget", "budget_mode", "truncate", "prefetch", "draft_cache", "draft_experts"]
+
+
+def _check_applicable(ctx: typer.Context, method: str, platform: str, engine: str) -> None:
+    """What `run`'s flags apply to: speculation flags to the speculative methods (--r to top-r,
+    --draft-experts to draftexpert), movement flags to the offload platforms, the reference to
+    nothing but the prompts."""
+    if method in ("ar", "reference"):
+        _refuse_flags(ctx, SPEC_FLAGS, f"to --method {method} (they set the speculative methods)")
+    if method == "top-r":
+        _refuse_flags(ctx, ["draft_experts"], "to --method top-r (its drafter is the target's own top-r experts)")
+    if method == "draftexpert":
+        _refuse_flags(ctx, ["r"], "to --method draftexpert (its drafter is shared + top-1 + the draft expert)")
+    if method == "reference":
+        why = "to --method reference (transformers' greedy decoding, every weight resident)"
+        _refuse_flags(ctx, ["temperature", "engine", "read_bw", "compile"], why)
+        _refuse_flags(ctx, ["platform", "expert_type", "cache_experts", "staging_budget", "staging", "seed"], why, warn=True)
+        return
+    if platform != "mn":
+        _refuse_flags(ctx, ["read_bw"], f"to --platform {platform} (nothing is read from storage)")
+        _refuse_flags(ctx, ["staging_budget"], f"to --platform {platform} (nothing is read from storage)", warn=True)
+    if platform == "cg" or (platform == "resident" and engine == "torch"):
+        _refuse_flags(ctx, ["expert_type"], f"to --platform {platform} on the torch engine (the checkpoint's "
+                      "weights are used as they are)", warn=True)
+    if platform == "resident":
+        _refuse_flags(ctx, ["cache_experts"], "to --platform resident (every expert is already on the accelerator)",
+                      warn=True)
+
+
+OverflowOpt = Annotated[str, typer.Option("--context-overflow", help="A prompt whose tokens + --max-new-tokens "
+                                          "(+ K_max + 1) exceed the context: skip (recorded, the rest runs) | "
+                                          "refuse (nothing runs)")]
 
 
 @app.command()
-def run(model: ModelOpt = "ds-tiny", model_path: ModelPathOpt = None,
+def run(ctx: typer.Context, model: ModelOpt = "ds-tiny", model_path: ModelPathOpt = None,
         method: Annotated[str, typer.Option("--method", help="ar | top-r | draftexpert | reference")] = "ar",
         platform: PlatformOpt = "mn", expert_type: ExpertTypeOpt = "q4_0",
         cache_experts: Annotated[int, typer.Option("--cache-experts", min=0, help="Experts kept on the accelerator "
@@ -357,7 +434,8 @@ def run(model: ModelOpt = "ds-tiny", model_path: ModelPathOpt = None,
         draft_cache: Annotated[str, typer.Option("--draft-cache", help="shared (drafter reads the target's KV cache) "
                                                  "| own (its own cache)")] = "shared",
         draft_experts: DraftExpertsOpt = None, compile: CompileOpt = False, engine: EngineOpt = "torch",
-        staging: StagingOpt = "demand", read_bw: ReadBwOpt = None, as_json: JsonOpt = False):
+        staging: StagingOpt = "demand", read_bw: ReadBwOpt = None, context_overflow: OverflowOpt = "skip",
+        as_json: JsonOpt = False):
     """Decode the prompt suites with one method; one record per prompt, resumable.
 
     `ar`: autoregressive decoding on the expert-offload runtime (the paper's baseline; every
@@ -366,9 +444,8 @@ def run(model: ModelOpt = "ds-tiny", model_path: ModelPathOpt = None,
     truncation and draft-router prefetch (Algorithm 1). `reference`: the target's plain greedy
     decoding through transformers, weights resident — the exactness oracle."""
     from bench.decoders import METHODS, SpecOptions, make_decoder
-    from bench.readcap import ReadCap, ReadCapError
-    from bench.runner import run_cells
-    from bench.telemetry import collect
+    from bench.readcap import ReadCap
+    from bench.runner import OVERFLOW, run_cells
     from draftexpert.speculation.round import SpecConfig
 
     if method not in METHODS:
@@ -377,8 +454,10 @@ def run(model: ModelOpt = "ds-tiny", model_path: ModelPathOpt = None,
         fail(f"--budget-mode: {budget_mode!r} is not one of fixed, cache")
     if draft_cache not in ("shared", "own"):
         fail(f"--draft-cache: {draft_cache!r} is not one of shared, own")
-
+    if context_overflow not in OVERFLOW:
+        fail(f"--context-overflow: {context_overflow!r} is not one of {', '.join(OVERFLOW)}")
     _check_run_flags(platform, expert_type, suite)
+    _check_applicable(ctx, method, platform, engine)
     folder = resolve_or_fail(model, model_path)
     if method == "top-r":
         from draftexpert.runtime.loader import load_config
@@ -387,36 +466,38 @@ def run(model: ModelOpt = "ds-tiny", model_path: ModelPathOpt = None,
         if not r < top_k:
             fail(f"--r: {r} must be below the target's top-k ({top_k}); r = {top_k} is the target itself")
     rate = _read_bw(read_bw)
+    label = f"top-{r}" if method == "top-r" else method
+    engine_tag = "-llama.cpp" if engine == "llama.cpp" else ""
+    run_dir = _run_dir(out, REPO_ROOT / "runs" / f"{model}-{label}-{'resident' if method == 'reference' else platform}"
+                                               f"{engine_tag}")
     recs = _prompts_and_threads(suite, limit, threads, from_hub)
     spec = SpecOptions(r=r, draft_experts=draft_experts,
                        round=SpecConfig(k_max=k_max, tau=tau, budget=budget, budget_mode=budget_mode, truncate=truncate,
                                         prefetch=prefetch, draft_cache=draft_cache))
-    with _named_errors():
+    with _named_errors(), _resumable(run_dir):
         decoder, tokenizer, cfg = make_decoder(model, folder, method, platform, expert_type=expert_type,
                                                cache_experts=cache_experts, staging_budget=staging_budget,
                                                temperature=temperature, seed=seed, max_new_tokens=max_new_tokens,
                                                expert_file=lambda qt: expert_file(model, folder, qt), spec=spec,
                                                compile=compile, engine=engine, staging=staging)
-    label = f"top-{r}" if method == "top-r" else method
-    engine_tag = "-llama.cpp" if engine == "llama.cpp" else ""
-    run_dir = out or (REPO_ROOT / "runs" / f"{model}-{label}-{cfg.platform}{engine_tag}")
-    machine = collect(run_dir, measure_io=True)
-    if rate:
-        cfg.method_args["read_bw"] = rate  # a capped cell is another cell
-        try:
+        machine = _machine()
+        if rate:
+            cfg.method_args["read_bw"] = rate  # a capped cell is another cell
             with ReadCap(rate, expert_file(model, folder, expert_type)):
-                summary = run_cells(cfg, recs, decoder, tokenizer, run_dir, machine=machine, log=log)
-        except ReadCapError as e:
-            fail(str(e))
-    else:
-        summary = run_cells(cfg, recs, decoder, tokenizer, run_dir, machine=machine, log=log)
+                summary = run_cells(cfg, recs, decoder, tokenizer, run_dir, machine=machine, log=log,
+                                    on_overflow=context_overflow)
+        else:
+            summary = run_cells(cfg, recs, decoder, tokenizer, run_dir, machine=machine, log=log,
+                                on_overflow=context_overflow)
     if as_json:  # every record of this configuration: tokens and every ledger metric, per prompt
         from bench.results import read_records
 
         wanted = {p["id"] for p in recs}
         summary["records"] = [r for r in read_records(run_dir / "records.jsonl")
                               if r["config_hash"] == summary["config_hash"] and r["prompt_id"] in wanted]
-    emit(summary, as_json, f"{summary['written']} written, {summary['skipped']} already done → {run_dir}")
+    n_long = len(summary["skipped_context"])
+    emit(summary, as_json, f"{summary['written']} written, {summary['skipped']} already done"
+         + (f", {n_long} skipped (longer than the context; reasons in the manifest)" if n_long else "") + f" → {run_dir}")
 
 
 @app.command()
@@ -439,7 +520,6 @@ def compare(model: ModelOpt = "ds-tiny", model_path: ModelPathOpt = None,
     token, prefetch hit / waste — one table from the records; resumable."""
     from bench import compare as cmp
     from bench.decoders import SpecOptions
-    from bench.telemetry import collect
     from draftexpert.speculation.round import SpecConfig
     from paper_figs.spec_table import table, table4
 
@@ -456,11 +536,11 @@ def compare(model: ModelOpt = "ds-tiny", model_path: ModelPathOpt = None,
         fail("--read-bw: the regime set sweeps its own caps (--cap)")
     cap_list = [None if c.lower() == "none" else _read_bw(c) for c in caps] if caps else None
     recs = _prompts_and_threads(suite, limit, threads)
-    out_dir = out or (REPO_ROOT / "runs" / f"compare-{model}-{platform}{'-llama.cpp' if engine == 'llama.cpp' else ''}")
+    out_dir = _run_dir(out, REPO_ROOT / "runs" / f"compare-{model}-{platform}{'-llama.cpp' if engine == 'llama.cpp' else ''}")
     spec = SpecOptions(draft_experts=draft_experts, round=SpecConfig(k_max=k_max, tau=tau, budget=budget))
-    with _named_errors():
+    with _named_errors(), _resumable(out_dir):
         res = cmp.compare(model, folder, platform, recs, out_dir, max_new_tokens, spec, expert_type,
-                          lambda qt: expert_file(model, folder, qt), collect(out_dir, measure_io=True),
+                          lambda qt: expert_file(model, folder, qt), _machine(),
                           labels=method, log=log, compile=compile, method_set=method_set, engine=engine,
                           staging=staging, read_bw=rate, caps=cap_list)
     if method_set == "regime":
@@ -783,7 +863,8 @@ def reproduce_cmd(results_dir: Annotated[Path, typer.Option("--results", help="W
     """Regenerate every table and figure this checkout can produce (what `make reproduce` runs)."""
     from bench.reproduce import reproduce
 
-    summary = reproduce(results_dir, log=log, per_suite=per_suite, tokens=max_new_tokens)
+    with _resumable(results_dir):
+        summary = reproduce(results_dir, log=log, per_suite=per_suite, tokens=max_new_tokens)
     emit(summary, as_json, "written:\n  " + "\n  ".join(summary["written"])
          + "\nnot yet reproducible (capability pending):\n  "
          + "\n  ".join(f"{p['result']} — needs {p['needs']}" for p in summary["pending"]))

@@ -77,7 +77,7 @@ def make_llama_decoder(model: str, folder: Path, method: str, platform: str, exp
     require_llama_cpp()
     tokenizer = _tokenizer(folder)
     experts = expert_file(expert_type)
-    n_ctx = 2048
+    n_ctx = min(2048, load_config(folder).max_position_embeddings)  # the engine's context (checked per prompt)
     kv = "f32" if expert_type == "f32" else "f16"  # an f32 model keeps an f32 cache; else llama.cpp's f16
     target_head = llama_head_for(model, folder, expert_type, experts)
     args = {"expert_type": expert_type, "threads": threads, "kv_type": kv, "staging": STAGING[staging]}
@@ -121,13 +121,27 @@ def make_decoder(model: str, folder: Path, method: str, platform: str, expert_ty
     (llama.cpp's resident platform always does)."""
     import torch
 
+    from draftexpert.runtime.checkpoint import weights_fingerprint
+
     if engine not in ENGINES:
         raise ValueError(f"--engine: {engine!r} is not one of {', '.join(ENGINES)}")
     if engine == "llama.cpp":
         if compile:
             raise ValueError("--compile applies to the torch engine only")
-        return make_llama_decoder(model, folder, method, platform, expert_type, expert_file, spec,
-                                  torch.get_num_threads(), max_new_tokens, temperature, staging)
+        decoder, tokenizer, cfg = make_llama_decoder(model, folder, method, platform, expert_type, expert_file, spec,
+                                                     torch.get_num_threads(), max_new_tokens, temperature, staging)
+    else:
+        decoder, tokenizer, cfg = _make_torch_decoder(model, folder, method, platform, expert_type, cache_experts,
+                                                      staging_budget, temperature, seed, max_new_tokens, expert_file,
+                                                      spec, compile, staging, resident_from_file)
+    cfg.weights = weights_fingerprint(folder)  # results of other weights are other cells
+    return decoder, tokenizer, cfg
+
+
+def _make_torch_decoder(model, folder, method, platform, expert_type, cache_experts, staging_budget, temperature,
+                        seed, max_new_tokens, expert_file, spec, compile, staging, resident_from_file):
+    import torch
+
     if staging != "demand":
         raise ValueError("--staging applies to the llama.cpp engine (the torch engine's stores stage whole experts)")
 

@@ -1,13 +1,16 @@
 """Model registry: which models the suite knows, where each is looked for, and whether it is here.
 
 Resolution order for a model (the first folder holding a config.json wins):
-  1. `--model-path PATH` (a folder in Hugging Face format);
+  1. `--model-path PATH` (a folder in Hugging Face format): when given, the only place looked in —
+     a missing or empty folder is an error, never a fall-back to another copy;
   2. `$DRAFTEXPERT_MODELS/<name>` or `$DRAFTEXPERT_MODELS/<repo basename>` (e.g. `DeepSeek-V2-Lite`);
   3. the Hugging Face cache (`$HF_HUB_CACHE`, `$HF_HOME/hub`, `~/.cache/huggingface/hub`), read
      offline (`local_files_only`): nothing is ever downloaded;
   4. embedded models only: `models/<name>` in this repository.
 A real model that is absent raises `ModelNotFound`, whose message lists every place searched
-and the command that fetches the weights.
+and the command that fetches the weights. The folder found must hold the model's architecture
+(and, for the real models, the published checkpoint's dimensions): else `ModelMismatch` — a tiny
+folder is not `ds`, an ml-tiny folder not `ds-tiny`.
 """
 from __future__ import annotations
 
@@ -28,6 +31,10 @@ class ModelNotFound(RuntimeError):
 
 class UnknownModel(KeyError):
     pass
+
+
+class ModelMismatch(ModelNotFound):
+    """A folder holds a checkpoint, but not of the model asked for (another architecture or size)."""
 
 
 @dataclass(frozen=True)
@@ -119,15 +126,71 @@ def fetch_hint(spec: ModelSpec) -> str:
 
 
 def resolve(name: str, model_path: str | os.PathLike | None = None) -> Path:
-    """The folder holding `name`'s config.json and weights, or ModelNotFound."""
+    """The folder holding `name`'s config.json and weights, or ModelNotFound. An explicit
+    `model_path` is the only place looked in: missing, not a folder, or without config.json is an
+    error, never a fall-back to another copy. Whatever folder is found must hold `name`'s
+    architecture (`check_identity`), else ModelMismatch."""
     spec = get(name)
+    if model_path:
+        folder = Path(model_path).expanduser()
+        problem = ("does not exist" if not folder.exists() else "is not a folder" if not folder.is_dir()
+                   else "is empty" if not any(folder.iterdir()) else "has no config.json"
+                   if not (folder / "config.json").is_file() else None)
+        if problem:
+            raise ModelNotFound(f"--model-path {folder} {problem}: it must be a Hugging Face model folder "
+                                f"(config.json, tokenizer, *.safetensors) of {name!r}. To get it: {fetch_hint(spec)}.")
+        check_identity(spec, folder)
+        return folder
     searched = candidates(spec, model_path)
     for how, folder in searched:
         if (folder / "config.json").is_file():
+            check_identity(spec, folder)
             return folder
     lines = "\n".join(f"  - {folder}  ({how})" for how, folder in searched)
     raise ModelNotFound(f"model {name!r} ({spec.hf_repo or 'embedded'}) was not found. Looked in:\n{lines}\n"
                         f"To get it: {fetch_hint(spec)}.")
+
+
+# What must match between a real model's shipped facts and a checkpoint claiming to be it.
+IDENTITY_KEYS = ("num_hidden_layers", "hidden_size", "moe_intermediate_size", "n_routed_experts", "n_shared_experts",
+                 "num_experts_per_tok", "first_k_dense_replace", "kv_lora_rank", "vocab_size")
+
+
+def _architecture(cfg: dict) -> str | None:
+    archs = cfg.get("architectures") or []
+    if archs:
+        return archs[0]
+    return {"deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}.get(cfg.get("model_type"))
+
+
+def identity_problem(spec: ModelSpec, cfg: dict) -> str | None:
+    """Why a config is not `spec`'s model (None when it is): another architecture, or — for the
+    real models — other dimensions than the shipped facts of the published checkpoint."""
+    arch = _architecture(cfg)
+    if arch != spec.architecture:
+        return f"its architecture is {arch or 'not stated'}, {spec.name}'s is {spec.architecture}"
+    if not spec.embedded:
+        facts = json.loads((FACTS_DIR / f"{spec.name}.json").read_text())
+        diff = [f"{k} {cfg.get(k)} (not {facts[k]})" for k in IDENTITY_KEYS if cfg.get(k) != facts.get(k)]
+        if diff:
+            return f"it is not {spec.hf_repo}: " + ", ".join(diff)
+    return None
+
+
+def matching_models(cfg: dict) -> list[str]:
+    return [n for n, s in MODELS.items() if identity_problem(s, cfg) is None]
+
+
+def check_identity(spec: ModelSpec, folder: Path) -> None:
+    try:
+        cfg = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ModelMismatch(f"{folder}/config.json is not readable JSON ({e})") from None
+    problem = identity_problem(spec, cfg)
+    if problem:
+        others = [n for n in matching_models(cfg) if n != spec.name]
+        hint = f"; it matches --model {' / '.join(others)}" if others else ""
+        raise ModelMismatch(f"the checkpoint in {folder} is not {spec.name!r}: {problem}{hint}")
 
 
 def is_present(name: str, model_path: str | os.PathLike | None = None) -> bool:
@@ -143,7 +206,11 @@ def config_facts(name: str, model_path: str | os.PathLike | None = None) -> dict
     spec = get(name)
     try:
         return json.loads((resolve(name, model_path) / "config.json").read_text())
+    except ModelMismatch:
+        raise
     except ModelNotFound:
+        if model_path:
+            raise
         if spec.embedded:
             from bench.tiny.configs import TINY_CONFIGS, V3_KEYS_TO_KEEP
 
@@ -160,16 +227,19 @@ ROUTING_KEYS = ("num_hidden_layers", "hidden_size", "moe_intermediate_size", "n_
 
 
 def describe(name: str, model_path: str | os.PathLike | None = None) -> dict:
+    """`name`'s row of `bench models`: where it is (when present), or where it was looked for and
+    — when a folder there holds another model — why that folder is not it."""
     spec = get(name)
+    where, note = None, None
     try:
-        where: str | None = str(resolve(name, model_path))
-    except ModelNotFound:
-        where = None
-    facts = config_facts(name, model_path)
+        where = str(resolve(name, model_path))
+    except ModelNotFound as e:
+        note = str(e).splitlines()[0] if isinstance(e, ModelMismatch) else None
+    facts = config_facts(name, model_path) if where else config_facts(name)
     scoring = facts.get("scoring_func") or ("sigmoid" if facts.get("model_type") == "deepseek_v3" else "softmax")
     return {
         "name": spec.name, "hf_repo": spec.hf_repo, "architecture": spec.architecture,
-        "description": spec.description, "present": where is not None, "path": where,
+        "description": spec.description, "present": where is not None, "path": where, "not_it": note,
         "searched": [f"{folder} ({how})" for how, folder in candidates(spec, model_path)],
         "config": {k: (scoring if k == "scoring_func" else facts.get(k)) for k in ROUTING_KEYS},
     }

@@ -32,7 +32,7 @@ def fig1b_runs(results_dir: Path, log, per_suite: int = FIG1B_PER_SUITE, tokens:
     from bench.artifacts import expert_file_for
     from bench.decoders import make_decoder
     from bench.runner import run_cells
-    from bench.telemetry import collect
+    from bench.telemetry import collect, expert_storage
     from paper_figs import fig1b
 
     import torch
@@ -41,7 +41,7 @@ def fig1b_runs(results_dir: Path, log, per_suite: int = FIG1B_PER_SUITE, tokens:
     folder = registry.resolve(FIG1B_MODEL)
     recs = prompts.load(limit=per_suite)
     runs = results_dir / "runs"
-    machine = collect(results_dir)
+    machine = collect(expert_storage(), keep_probe=True)
     for platform, qtype in FIG1B_CELLS:
         decoder, tok, cfg = make_decoder(FIG1B_MODEL, folder, "ar", platform, expert_type=qtype,
                                          max_new_tokens=tokens,
@@ -67,14 +67,14 @@ def _compare_on_mn(results_dir: Path, log, model: str, per_suite: int, tokens: i
     from bench.compare import compare
     from bench.decoders import SpecOptions
     from draftexpert.speculation.round import SpecConfig
-    from bench.telemetry import collect
+    from bench.telemetry import collect, expert_storage
 
     torch.set_num_threads(FIG1B_THREADS)
     folder = registry.resolve(model)
     tag = "-llama.cpp" if engine == "llama.cpp" else ""
     res = compare(model, folder, "mn", prompts.load(limit=per_suite), results_dir / "runs" / f"compare-{model}-mn{tag}",
                   tokens, SpecOptions(round=SpecConfig(k_max=4, tau=0.6, budget=24)), "q4_0",
-                  lambda qt: expert_file_for(model, folder, qt, log=log), collect(results_dir), log=log,
+                  lambda qt: expert_file_for(model, folder, qt, log=log), collect(expert_storage(), keep_probe=True), log=log,
                   method_set=method_set, engine=engine)
     for row in res["methods"].values():
         row.pop("tokens")
@@ -220,7 +220,7 @@ def regime(results_dir: Path, log, per_suite: int = REGIME_PER_SUITE, tokens: in
     from bench.compare import REGIME_CAPS, compare
     from bench.decoders import SpecOptions
     from bench.readcap import ReadCap, ReadCapError
-    from bench.telemetry import collect
+    from bench.telemetry import collect, expert_storage
     from draftexpert.speculation.round import SpecConfig
     from paper_figs import regime as render
 
@@ -233,7 +233,7 @@ def regime(results_dir: Path, log, per_suite: int = REGIME_PER_SUITE, tokens: in
     except ReadCapError as e:
         log(f"regime sweep skipped: {e}")
         return []
-    machine = collect(results_dir)
+    machine = collect(expert_storage(), keep_probe=True)
     results, written = [], []
     for engine in ("torch", "llama.cpp"):
         tag = "-llama.cpp" if engine == "llama.cpp" else ""
@@ -294,14 +294,14 @@ def reproduce(results_dir: Path, log=lambda m: print(m, file=sys.stderr), per_su
               tokens: int = FIG1B_TOKENS) -> dict:
     """Every step; `per_suite` prompts per suite and `tokens` new tokens for the decoding runs."""
     from bench import registry
-    from bench.telemetry import collect
+    from bench.telemetry import collect, expert_storage
     from draftexpert.runtime.params import breakdown
     from paper_figs import fig1a
 
     done = []
     results_dir.mkdir(parents=True, exist_ok=True)
     log("Table 1 (this machine): bench env")
-    write_json_atomic(results_dir / "machine.json", collect(results_dir))
+    write_json_atomic(results_dir / "machine.json", collect(expert_storage(), keep_probe=True))
     done.append("results/machine.json")
 
     log("Fig. 1a: bench params for ds, ml, ds-tiny, ml-tiny")

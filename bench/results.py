@@ -9,7 +9,13 @@ Crash safety. A record is encoded in full, then written with a single `write(2)`
 `O_APPEND` descriptor and fsync'd, so a killed writer leaves at most one torn last line. On
 open, `RecordWriter` truncates a torn tail (a last line without its newline) — the record it
 held is not "done" and is redone — and the loader ignores such a tail, so no reader ever sees
-a truncated record. A sweep resumes by skipping cells whose key is already in the file.
+a truncated record. A sweep resumes by skipping cells whose key is already in the file. A damaged line elsewhere
+(not JSON, or not a record) is reported as `FILE:LINE` on stderr and skipped by every reader, so
+its cell is redone; the line itself stays in the file for inspection, never read as a record.
+
+Folder faults (`RunFolderError`, one line naming the folder): `--out` naming a file, a read-only
+or full file system. A session whose writes fail is marked `failed` in the manifest when the
+manifest can still be written; no temporary file is left behind.
 
 Record schema (fields every method fills):
   key                 cell identity: "<config hash>/<prompt id>"; resume skips existing keys
@@ -91,37 +97,84 @@ def _repair_tail(path: Path) -> int:
         return size - keep
 
 
-def read_records(path: Path) -> list[dict]:
-    """Every complete record in a records.jsonl (a torn last line is ignored)."""
+class RunFolderError(OSError):
+    """A run folder that cannot hold results: not a folder, not writable, or its disk is full."""
+
+
+def check_run_dir(run_dir: Path) -> Path:
+    """Create `run_dir` if needed and make sure records can be written there; else RunFolderError."""
+    run_dir = Path(run_dir)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise RunFolderError(f"--out {run_dir} is a file, not a folder: pass a folder for the run's records")
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise RunFolderError(f"--out {run_dir} cannot be created ({e.strerror})") from None
+    if not os.access(run_dir, os.W_OK | os.X_OK):
+        raise RunFolderError(f"--out {run_dir} is not writable (read-only file system or permissions): "
+                             "pass a folder you can write to")
+    return run_dir
+
+
+def _warn(msg: str) -> None:
+    print(f"warning: {msg}", file=sys.stderr, flush=True)
+
+
+def read_records(path: Path, warn=_warn) -> list[dict]:
+    """Every complete record in a records.jsonl. A torn last line is ignored (the writer repairs
+    it); a damaged line elsewhere is reported as FILE:LINE through `warn` and skipped."""
+    path = Path(path)
     if not path.exists():
         return []
-    data = path.read_bytes()
-    lines = data.split(b"\n")
-    complete = lines[:-1]  # the part after the last newline is empty or torn
-    return [json.loads(line) for line in complete if line.strip()]
+    lines = path.read_bytes().split(b"\n")
+    out = []
+    for n, line in enumerate(lines[:-1], 1):  # the part after the last newline is empty or torn
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except ValueError as e:
+            warn(f"{path}:{n}: damaged record skipped ({getattr(e, 'msg', e)}); its cell will be redone")
+            continue
+        if not isinstance(rec, dict) or "key" not in rec:
+            warn(f"{path}:{n}: not a record (no cell key), skipped")
+            continue
+        out.append(rec)
+    return out
 
 
 class RecordWriter:
     """Append-only, crash-safe writer of one run folder's records.jsonl."""
 
     def __init__(self, run_dir: Path, fsync: bool = True):
-        self.run_dir = Path(run_dir)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.run_dir = check_run_dir(run_dir)
         self.path = self.run_dir / "records.jsonl"
-        self.repaired_bytes = _repair_tail(self.path)
-        self.done: set[str] = {r["key"] for r in read_records(self.path) if "key" in r}
-        self.fsync = fsync
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            self.repaired_bytes = _repair_tail(self.path)
+            self.done: set[str] = {r["key"] for r in read_records(self.path)}
+            self.fsync = fsync
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise RunFolderError(f"{self.path}: {e.strerror or e}") from None
 
     def write(self, record: dict) -> None:
         if "key" not in record:
             raise ValueError("a record needs its cell `key` (see cell_key)")
         line = (json.dumps(record, sort_keys=True, default=_jsonable) + "\n").encode()
         view, written = memoryview(line), 0
-        while written < len(line):  # a regular-file write is whole in practice; loop for correctness
-            written += os.write(self._fd, view[written:])
-        if self.fsync:
-            os.fsync(self._fd)
+        try:
+            while written < len(line):  # a regular-file write is whole in practice; loop for correctness
+                written += os.write(self._fd, view[written:])
+            if self.fsync:
+                os.fsync(self._fd)
+        except OSError as e:
+            if written:  # a partial line: take it back, so the file ends on a whole record
+                try:
+                    os.ftruncate(self._fd, os.fstat(self._fd).st_size - written)
+                except OSError:
+                    pass  # the next writer repairs the torn tail
+            raise RunFolderError(f"writing {self.path} failed: {e.strerror or e}; the records before this one "
+                                 "are kept — free space (or fix the folder) and rerun the same command to resume") from None
         self.done.add(record["key"])
 
     def close(self):
@@ -147,22 +200,31 @@ def _jsonable(o):
 
 
 def write_json_atomic(path: Path, obj) -> None:
+    """Write whole or not at all: a temporary file beside `path`, renamed over it; removed on failure."""
+    path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2, sort_keys=True, default=_jsonable)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            json.dump(obj, f, indent=2, sort_keys=True, default=_jsonable)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise RunFolderError(f"writing {path} failed: {e.strerror or e}") from None
 
 
 class RunManifest:
     """manifest.json of a run folder; each session appends {start, end, status, argv}."""
 
     def __init__(self, run_dir: Path, config: dict, machine: dict | None = None):
-        Path(run_dir).mkdir(parents=True, exist_ok=True)
-        self.path = Path(run_dir) / "manifest.json"
-        old = json.loads(self.path.read_text()) if self.path.exists() else {}
+        self.path = check_run_dir(run_dir) / "manifest.json"
+        try:
+            old = json.loads(self.path.read_text()) if self.path.exists() else {}
+        except ValueError:
+            _warn(f"{self.path} is damaged (not JSON); a new manifest replaces it (the records are untouched)")
+            old = {}
         self.data = {
             "config": config,
             "git": git_commit(),

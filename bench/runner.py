@@ -5,6 +5,11 @@ and appends the record: the decoder's counters and, from them, the per-prompt fi
 `draftexpert.metrics` (a table re-derives its own from the summed counters, never from these).
 Cells already in the folder (same configuration hash and prompt id) are skipped, so an
 interrupted sweep resumes where it stopped.
+
+A prompt whose tokens and new tokens (+ K_max + 1 for speculation) exceed the decoder's context
+is never started: with `on_overflow="skip"` it is skipped with its reason (logged, in the summary
+and the manifest's session entry) and the rest of the suite runs; with `"refuse"` the whole run is
+refused before anything is decoded or written.
 """
 from __future__ import annotations
 
@@ -15,9 +20,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from bench.prompts import render_prompt
-from bench.results import RecordWriter, RunManifest, cell_key, config_hash
+from bench.results import RecordWriter, RunFolderError, RunManifest, cell_key, config_hash
 from draftexpert import metrics
-from draftexpert.decoding import Decoder
+from draftexpert.decoding import ContextOverflow, Decoder, check_context
 
 
 @dataclass
@@ -26,6 +31,7 @@ class CellConfig:
 
     model: str
     method: str
+    weights: str = ""  # sha256 of the checkpoint's safetensors (runtime.checkpoint.weights_fingerprint)
     platform: str = "resident"
     engine: str = "torch"
     max_new_tokens: int = 64
@@ -34,12 +40,36 @@ class CellConfig:
     method_args: dict = field(default_factory=dict)  # r, k_max, tau, budget, truncate, prefetch …
 
 
+OVERFLOW = ("skip", "refuse")
+
+
+def context_overflows(prompts: list[dict], decoder: Decoder, tokenizer, max_new_tokens: int) -> list[dict]:
+    """The prompts that do not fit the decoder's context, each with its reason."""
+    out = []
+    for p in prompts:
+        n = len(render_prompt(tokenizer, p["prompt"]))
+        try:
+            check_context(decoder.positions(n, max_new_tokens), decoder.context_length, n, max_new_tokens)
+        except ContextOverflow as e:
+            out.append({"prompt_id": p["id"], "prompt_tokens": n, "reason": str(e)})
+    return out
+
+
 def run_cells(cfg: CellConfig, prompts: list[dict], decoder: Decoder, tokenizer, run_dir: Path,
               machine: dict | None = None, log: Callable[[str], None] = lambda m: print(m, file=sys.stderr),
-              run_name: str | None = None) -> dict:
+              run_name: str | None = None, on_overflow: str = "skip") -> dict:
     """Decode every prompt not yet in `run_dir`; return a summary of this session."""
     from bench.telemetry import machine_id
 
+    if on_overflow not in OVERFLOW:
+        raise ValueError(f"--context-overflow: {on_overflow!r} is not one of {', '.join(OVERFLOW)}")
+    overflow = context_overflows(prompts, decoder, tokenizer, cfg.max_new_tokens)
+    if overflow and on_overflow == "refuse":
+        raise ContextOverflow(f"{len(overflow)} prompt(s) do not fit the context, nothing was run: "
+                              f"{overflow[0]['prompt_id']}: {overflow[0]['reason']}"
+                              + (f" (and {len(overflow) - 1} more)" if len(overflow) > 1 else "")
+                              + "; lower --max-new-tokens or use --context-overflow skip")
+    too_long = {o["prompt_id"]: o for o in overflow}
     conf = asdict(cfg)
     mid = (machine or {}).get("machine_id") or machine_id()
     ident = {**conf, "machine_id": mid}  # the same cell on another machine is a new cell
@@ -56,6 +86,9 @@ def run_cells(cfg: CellConfig, prompts: list[dict], decoder: Decoder, tokenizer,
                 if key in store.done:
                     skipped += 1
                     continue
+                if p["id"] in too_long:
+                    log(f"{p['id']}: skipped — {too_long[p['id']]['reason']}")
+                    continue
                 ids = render_prompt(tokenizer, p["prompt"])
                 out = decoder.generate(ids, cfg.max_new_tokens, tokenizer.eos_token_id)
                 record = {
@@ -70,7 +103,17 @@ def run_cells(cfg: CellConfig, prompts: list[dict], decoder: Decoder, tokenizer,
                 written += 1
                 log(f"{p['id']}: {len(out.tokens)} tokens, {record['decode_tps']:.1f} tok/s")
         status = "complete"
+    except KeyboardInterrupt:
+        raise
+    except BaseException:
+        status = "failed"
+        raise
     finally:
-        manifest.finish(status, written=written, skipped=skipped)
+        try:
+            manifest.finish(status, written=written, skipped=skipped, skipped_context=overflow)
+        except RunFolderError as e:
+            if status == "complete":
+                raise
+            log(f"warning: the manifest could not be marked {status}: {e}")
     return {"run_dir": str(run_dir), "config_hash": h, "written": written, "skipped": skipped,
-            "records": written + skipped}
+            "records": written + skipped, "skipped_context": overflow}

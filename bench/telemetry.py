@@ -62,23 +62,33 @@ def storage_device(path: Path) -> dict:
             "logical_block_size": int(_read(str(q / "logical_block_size")) or 0) or None}
 
 
-def odirect_read_bandwidth(folder: Path, block_size: int = 1 << 20, file_size: int = 64 << 20, passes: int = 3) -> dict:
-    """Read a fresh `file_size` file in `folder` with O_DIRECT, `block_size` bytes a read, one
-    read in flight; GB/s = bytes / seconds / 1e9 (best and median of `passes`). The page cache
-    is bypassed; a hypervisor below this machine may still cache ("storage as this machine sees it")."""
+def odirect_read_bandwidth(folder: Path, block_size: int = 1 << 20, file_size: int = 64 << 20, passes: int = 3,
+                           keep: bool = False) -> dict:
+    """Read a `file_size` file in `folder` with O_DIRECT, `block_size` bytes a read, one read in
+    flight; GB/s = bytes / seconds / 1e9 (best and median of `passes`). The page cache is
+    bypassed; a hypervisor below this machine may still cache ("storage as this machine sees it").
+    `keep`: the probe file (`.odirect-probe`) is written once and kept for the next measurement
+    — what every run does, in the expert files' cache folder, so a run writes nothing to measure;
+    else a fresh file is written and removed (`bench env`)."""
     if not hasattr(os, "O_DIRECT"):
         return {"error": "O_DIRECT is not available on this OS"}
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f".odirect-probe-{os.getpid()}"
+    path = folder / (".odirect-probe" if keep else f".odirect-probe-{os.getpid()}")
     block_size = max(4096, block_size // 4096 * 4096)
     file_size = max(block_size, file_size // block_size * block_size)
     try:
-        with open(path, "wb") as f:
-            chunk = os.urandom(1 << 20)
-            for _ in range(file_size // len(chunk) + 1):
-                f.write(chunk)
-            f.flush()
-            os.fsync(f.fileno())
+        if not (keep and path.is_file() and path.stat().st_size >= file_size):
+            folder.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".odirect-probe-{os.getpid()}.tmp")
+            try:
+                with open(tmp, "wb") as f:
+                    chunk = os.urandom(1 << 20)
+                    for _ in range(file_size // len(chunk) + 1):
+                        f.write(chunk)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, path)
+            finally:
+                tmp.unlink(missing_ok=True)
         buf = mmap.mmap(-1, block_size)  # page-aligned, as O_DIRECT requires
         times = []
         for _ in range(passes):
@@ -100,7 +110,8 @@ def odirect_read_bandwidth(folder: Path, block_size: int = 1 << 20, file_size: i
     except OSError as e:
         return {"path": str(folder), "block_bytes": block_size, "error": f"{type(e).__name__}: {e}"}
     finally:
-        path.unlink(missing_ok=True)
+        if not keep:
+            path.unlink(missing_ok=True)
 
 
 def gpus() -> list[dict] | dict:
@@ -173,14 +184,24 @@ def machine_id(t: dict | None = None) -> str:
     return hashlib.sha256(json.dumps(ident).encode()).hexdigest()[:12]
 
 
-def collect(storage_path: Path | None = None, block_size: int = 1 << 20, measure_io: bool = True) -> dict:
-    """Everything above as one dict (the `machine` block of a run manifest)."""
+def expert_storage() -> Path:
+    """Where the expert files are read from (their cache folder): the storage a run measures."""
+    from bench.sources import cache_dir
+
+    return cache_dir() / "gguf"
+
+
+def collect(storage_path: Path | None = None, block_size: int = 1 << 20, measure_io: bool = True,
+            keep_probe: bool = False) -> dict:
+    """Everything above as one dict (the `machine` block of a run manifest). Runs pass
+    `expert_storage()` with `keep_probe`: the disk the experts come from, probed without a write."""
     storage_path = storage_path or Path.cwd()
     t = {
         "hostname": platform.node(), "os": f"{platform.system()} {platform.release()}",
         "cpu": cpu(), "memory": memory(),
         "storage": {**storage_device(storage_path),
-                    "odirect_read": odirect_read_bandwidth(storage_path, block_size) if measure_io else None},
+                    "odirect_read": odirect_read_bandwidth(storage_path, block_size, keep=keep_probe) if measure_io
+                    else None},
         "gpus": gpus(), "versions": versions(),
     }
     t["machine_id"] = machine_id(t)

@@ -30,8 +30,36 @@ class DecodeOutput:
     stats: dict = field(default_factory=dict)  # counters only (draftexpert.metrics): rounds, drafted, ledger …
 
 
+class ContextOverflow(ValueError):
+    """A prompt and its new tokens need more positions than the model's context holds."""
+
+
+class NonFiniteLogits(ValueError):
+    """The model produced NaN / inf logits: damaged weights or expert file, never a token."""
+
+
+def check_context(needed: int, context: int, prompt_tokens: int, max_new_tokens: int) -> None:
+    """Refuse a sequence before decoding it, not when the KV cache runs out half-way."""
+    if needed > context:
+        extra = needed - prompt_tokens - max_new_tokens
+        raise ContextOverflow(f"{prompt_tokens} prompt tokens + {max_new_tokens} new tokens"
+                              + (f" + {extra} for speculation (K_max + 1)" if extra > 0 else "")
+                              + f" = {needed} positions exceed the model's context of {context}")
+
+
+def check_finite(logits: torch.Tensor) -> torch.Tensor:
+    if not bool(torch.isfinite(logits).all()):
+        raise NonFiniteLogits("the model produced non-finite logits (NaN/inf): its weights or expert file are "
+                              "damaged — `bench convert --verify` checks the expert file; no record was written")
+    return logits
+
+
 class Decoder(Protocol):
     name: str
+    context_length: int  # the most positions one sequence may occupy (the model's / engine's context)
+
+    def positions(self, prompt_tokens: int, max_new_tokens: int) -> int:
+        """Positions a sequence of this length occupies while it is decoded (`check_context`)."""
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, eos_token_id: int | None = None) -> DecodeOutput:
         ...
@@ -47,6 +75,7 @@ class Engine(Protocol):
 
     name: str  # the drafter's name (top-r, draftexpert), "ar" without one
     ledger: object  # the engine's `Ledger`: every forward's requests, loads, bytes, stall
+    context_length: int  # positions its KV cache(s) can hold
 
     def start(self, capacity: int) -> None:
         """A new sequence: empty KV cache(s) with room for `capacity` positions, ledger reset, experts cold."""
@@ -106,6 +135,7 @@ def probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
 
 def sample(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> int:
     """logits [V] → token: argmax at temperature 0, else a draw from softmax(logits / temperature)."""
+    check_finite(logits)
     if temperature <= 0:
         return int(logits.argmax())
     return int(torch.multinomial(probs(logits, temperature), 1, generator=generator))

@@ -140,6 +140,10 @@ class LlamaModel:
     def n_tokens(self) -> int:
         return self.llm.n_tokens
 
+    @property
+    def n_ctx(self) -> int:
+        return self.llm.n_ctx()
+
     def eval(self, tokens: list[int]) -> np.ndarray:
         """Append `tokens` at the current position; logits [len(tokens), V] for them."""
         self._parts = {}
@@ -353,6 +357,7 @@ class LlamaEngine:
         if drafter is not None and router is None:
             raise ValueError("a drafter needs the target's router (ModelConfig, biases) to predict verifier experts")
         self.target, self.drafter, self.pages, self.router, self.name = target, drafter, pages, router, name
+        self.context_length = min(m.n_ctx for m in (target, drafter) if m is not None)
         self.staging = staging
         self.ledger = Ledger()
         self.page_cache_bytes = 0  # expert bytes that entered the page cache (read-around included)

@@ -22,18 +22,18 @@ def layer_experts(routing: dict[int, torch.Tensor], rows: slice = slice(None)) -
 
 
 class TorchEngine:
-    def __init__(self, model: MoEModel, path: DraftPath | None = None, draft_cache: str = "shared",
-                 max_len: int = 2048):
+    def __init__(self, model: MoEModel, path: DraftPath | None = None, draft_cache: str = "shared"):
         if draft_cache not in ("shared", "own"):
             raise ValueError(f"draft_cache must be 'shared' or 'own', got {draft_cache!r}")
-        self.model, self.path, self.own_cache, self.max_len = model, path, draft_cache == "own", max_len
+        self.model, self.path, self.own_cache = model, path, draft_cache == "own"
+        self.context_length = model.cfg.max_positions  # the KV cache is sized per sequence, up to this
         self.store, self.ledger = model.experts, model.experts.ledger
         self.name = path.name if path is not None else "ar"
         self.cache = self.draft_cache = None
 
     def start(self, capacity: int) -> None:
         self.ledger.reset()
-        n = min(self.max_len, capacity)
+        n = min(self.context_length, capacity)
         self.cache = KVCache.for_model(self.model, n)
         self.draft_cache = KVCache.for_model(self.model, n) if self.own_cache else self.cache
 

@@ -52,6 +52,7 @@ class ModelConfig:
     n_group: int
     topk_group: int
     eps: float
+    max_positions: int = 2048  # max_position_embeddings: the context
 
     @classmethod
     def from_hf(cls, c) -> ModelConfig:
@@ -64,7 +65,7 @@ class ModelConfig:
                    n_experts=c.n_routed_experts, n_shared=c.n_shared_experts, top_k=c.num_experts_per_tok,
                    moe_inter=c.moe_intermediate_size, v3=v3, norm_topk=bool(getattr(c, "norm_topk_prob", False)) and v3,
                    scale=float(c.routed_scaling_factor), n_group=c.n_group or 1, topk_group=c.topk_group or 1,
-                   eps=c.rms_norm_eps)
+                   eps=c.rms_norm_eps, max_positions=c.max_position_embeddings)
 
     def is_moe(self, layer: int) -> bool:
         return layer >= self.first_dense

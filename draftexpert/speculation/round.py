@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from draftexpert.decoding import DecodeOutput, Engine, Key, probs, sample
+from draftexpert.decoding import DecodeOutput, Engine, Key, check_context, check_finite, probs, sample
 from draftexpert.metrics import RoundStats
 from draftexpert.speculation.controller import expansion, stop
 
@@ -120,6 +120,13 @@ class SpeculativeDecoder:
     def close(self) -> None:
         self.engine.close()
 
+    @property
+    def context_length(self) -> int:
+        return self.engine.context_length
+
+    def positions(self, prompt_tokens: int, max_new_tokens: int) -> int:
+        return prompt_tokens + max_new_tokens + self.cfg.k_max + 1  # a last round may draft past the end
+
     # -- phases ---------------------------------------------------------------------------
     def draft(self, committed: list[int], k_limit: int, gen) -> Draft:
         """Propose up to k_limit tokens on the draft path (draft → truncate → prefetch)."""
@@ -165,6 +172,7 @@ class SpeculativeDecoder:
     def accept(self, draft: Draft, logits: torch.Tensor, gen) -> tuple[list[int], int]:
         """(emitted tokens, accepted draft tokens): the accepted prefix + one token of the target's.
         Either way the emitted tokens are distributed as the target's."""
+        check_finite(logits)
         if self.cfg.temperature <= 0:
             return greedy_accept(draft.tokens, logits.argmax(-1).tolist())
         return sampled_accept(draft, logits, self.cfg.temperature, gen)
@@ -173,7 +181,9 @@ class SpeculativeDecoder:
     def generate(self, prompt_ids: list[int], max_new_tokens: int, eos_token_id: int | None = None) -> DecodeOutput:
         cfg, eng = self.cfg, self.engine
         gen = torch.Generator().manual_seed(cfg.seed) if cfg.temperature > 0 else None
-        eng.start(len(prompt_ids) + max_new_tokens + cfg.k_max + 1)
+        need = self.positions(len(prompt_ids), max_new_tokens)
+        check_context(need, self.context_length, len(prompt_ids), max_new_tokens)
+        eng.start(need)
         t0 = time.perf_counter()
         first = sample(eng.prefill(prompt_ids), cfg.temperature, gen)
         eng.prefill_draft(prompt_ids)

@@ -20,7 +20,6 @@ checked unchanged. Teacher activations are computed once per batch under no_grad
 """
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -30,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftexpert.speculation.drafters import DraftExperts
+from draftexpert.runtime.checkpoint import weights_fingerprint
 from draftexpert.runtime.model import ModelConfig, route
 
 # Table 5's rows, cumulative: which terms each preset switches on (weights α, β, η below).
@@ -227,18 +227,6 @@ def agreement(target: dict, draft: dict, k: int) -> dict:
 
 # -- checkpoints --------------------------------------------------------------------------------
 
-def target_fingerprint(folder: Path) -> str:
-    """sha256 over the target's safetensors files (names and bytes): the identity a draft-expert
-    checkpoint is paired with."""
-    h = hashlib.sha256()
-    for p in sorted(Path(folder).glob("*.safetensors")):
-        h.update(p.name.encode())
-        with open(p, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 22), b""):
-                h.update(chunk)
-    return h.hexdigest()
-
-
 def save_draft_experts(path: Path, experts: DraftExperts, target_folder: Path, meta: dict) -> None:
     """safetensors with `layers.<l>.{gate_up,down,gamma}` and metadata: the target's fingerprint,
     the preset and how it was trained."""
@@ -251,7 +239,7 @@ def save_draft_experts(path: Path, experts: DraftExperts, target_folder: Path, m
         tensors[f"layers.{i}.gamma"] = torch.tensor([experts.gamma[i]], dtype=torch.float32)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".part")
-    save_file(tensors, str(tmp), metadata={"target_sha256": target_fingerprint(target_folder),
+    save_file(tensors, str(tmp), metadata={"target_sha256": weights_fingerprint(target_folder),
                                            "draftexpert": json.dumps(meta)})
     tmp.rename(path)
 
@@ -264,15 +252,25 @@ def load_draft_experts(path: Path, target_folder: Path) -> tuple[DraftExperts, d
     if not path.is_file():
         raise DistillError(f"no draft-expert checkpoint at {path}: train one with "
                            f"`bench distill --model <model> --preset full` or pass --draft-experts <file>")
-    with safe_open(str(path), "pt") as f:
+    try:
+        f = safe_open(str(path), "pt")
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own error type for a bad header
+        raise DistillError(f"--draft-experts {path} is not a readable safetensors file ({str(e)[:120]}); "
+                           "pass a checkpoint written by `bench distill`") from None
+    with f:
         meta = f.metadata() or {}
-        want = meta.get("target_sha256")
-        have = target_fingerprint(target_folder)
+        names = list(f.keys())
+        if "target_sha256" not in meta or not names or not all(n.startswith("layers.") for n in names):
+            looks = " (it holds model weights)" if any(n.startswith("model.") for n in names) else ""
+            raise DistillError(f"--draft-experts {path} is not a draft-expert checkpoint{looks}: it carries no "
+                               "`target_sha256` pairing; pass a file written by `bench distill`")
+        want = meta["target_sha256"]
+        have = weights_fingerprint(target_folder)
         if want != have:
             raise DistillError(f"{path} was distilled from a different target (its weights hash "
                                f"{str(want)[:12]}…, the model in {target_folder} hashes {have[:12]}…): draft experts only "
                                "fit the exact target they were trained against")
-        layers = sorted({int(k.split(".")[1]) for k in f.keys()})
+        layers = sorted({int(k.split(".")[1]) for k in names})
         de = DraftExperts({i: f.get_tensor(f"layers.{i}.gate_up") for i in layers},
                           {i: f.get_tensor(f"layers.{i}.down") for i in layers},
                           {i: float(f.get_tensor(f"layers.{i}.gamma")[0]) for i in layers})
