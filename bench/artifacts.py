@@ -69,10 +69,13 @@ def find_draft_experts(model: str, folder: Path, preset: str = "full") -> Path |
 
 
 def load_draft_experts_for(model: str, folder: Path, file: Path | str | None):
-    """(DraftExperts or None, description): `file` if given, else the model's distilled `full`
-    preset when one exists, else None — the zero draft expert (shared + top-1)."""
+    """(DraftExperts or None, description): `file` if given ("zero": the zero draft expert), else
+    the model's distilled `full` preset when one exists, else None — the zero draft expert
+    (shared + top-1)."""
     from draftexpert.training.distill import load_draft_experts
 
+    if file is not None and str(file) == "zero":
+        return None, {"preset": "zero", "file": None}
     path = Path(file) if file else find_draft_experts(model, folder, "full")
     if path is None:
         return None, {"preset": "zero", "file": None}

@@ -42,9 +42,9 @@ KMaxOpt = Annotated[int, typer.Option("--k-max", min=1, help="Most draft tokens 
 TauOpt = Annotated[float, typer.Option("--tau", min=0.0, max=1.0, help="Confidence threshold τ of the controller.")]
 BudgetOpt = Annotated[int, typer.Option("--budget", min=0, help="B: layer-experts an unconfident draft token may add "
                                         "to the verify set.")]
-DraftExpertsOpt = Annotated[Path | None, typer.Option("--draft-experts", help="draftexpert: a distilled checkpoint "
-                                                      "(default: the model's `full` preset if distilled, else zero = "
-                                                      "shared+top-1).")]
+DraftExpertsOpt = Annotated[Path | None, typer.Option("--draft-experts", help="draftexpert: a distilled checkpoint, or "
+                                                      "`zero` (= shared+top-1); default: the model's `full` preset if "
+                                                      "distilled, else zero.")]
 StagingOpt = Annotated[str, typer.Option("--staging", help="llama.cpp on mn: demand (whole experts staged from the "
                                           "router tap before the expert matmuls) | pagefault (llama.cpp's own 4 KiB "
                                           "mmap faults: an ablation)")]
@@ -549,6 +549,39 @@ def compare(model: ModelOpt = "ds-tiny", model_path: ModelPathOpt = None,
         emit(res, as_json, regime_table(res) + f"\n\n({out_dir})")
         return
     emit(res, as_json, (table4 if method_set == "table4" else table)(res) + f"\n\ntokens equal AR: {res['tokens_equal_ar']}  ({out_dir})")
+
+
+@app.command()
+def fuzz(engine: EngineOpt = "torch",
+         cases: Annotated[int, typer.Option("--cases", min=1, help="Cases 0 … N-1 of the campaign.")] = 100,
+         seed: Annotated[int, typer.Option("--seed", help="The campaign: case i is drawn from (seed, engine, i).")] = 0,
+         case: Annotated[int | None, typer.Option("--case", min=0, help="Replay this one case (printed by a "
+                                                  "mismatch).")] = None,
+         threads: Annotated[int, typer.Option("--threads", min=1)] = 1,
+         log_file: Annotated[Path | None, typer.Option("--log", help="Append one JSON line per case here.")] = None,
+         as_json: JsonOpt = False):
+    """Randomized exactness campaign: draws (model, platform, method, K_max, τ, B, budget mode,
+    truncation, prefetch, drafter cache, accelerator cache, staging, prompt, max-new-tokens,
+    temperature) and checks each decoder's output against plain decoding; exit 1 on a mismatch."""
+    import torch
+
+    from bench import fuzz as fz
+    from bench.decoders import ENGINES
+
+    if engine not in ENGINES:
+        fail(f"--engine: {engine!r} is not one of {', '.join(ENGINES)}")
+    if engine == "llama.cpp":
+        try:
+            import llama_cpp  # noqa: F401
+        except ImportError:
+            fail("--engine llama.cpp: llama-cpp-python is not installed (`make install` builds it)")
+    torch.set_num_threads(threads)
+    with _named_errors():
+        res = fz.run(engine, cases, seed, case, lambda m, f, qt: expert_file(m, f, qt), log, log_file)
+    emit(res, as_json, f"{engine}: {res['cases']} cases, {res['mismatches']} mismatches, {res['wall_s']:.0f} s"
+         + "".join(f"\n  {m['why']}: {m['replay']}" for m in res["failures"]))
+    if res["mismatches"]:
+        raise typer.Exit(1)
 
 
 @app.command()

@@ -1,0 +1,204 @@
+"""A randomized exactness campaign: every decoder, engine and configuration against plain decoding.
+
+Case i of a campaign is drawn from `random.Random(f"{seed}/{engine}/{i}")` alone, so any case
+replays by itself (`bench fuzz --engine E --seed S --case i`). A case draws the model, platform,
+method (AR offload, shared+top-r for every r < k, DraftExpert with each distilled preset or the
+zero draft expert), K_max, τ, B, budget mode, truncation, prefetch, the drafter's KV cache, the
+accelerator cache, llama.cpp's staging, a prompt (a suite prompt, or random token ids), the
+number of new tokens and — on the torch engine, which samples — the temperature and seed. Each
+decoder is built by `bench.decoders.make_decoder`, the factory `bench run` uses.
+
+Plain decoding is AR with every expert resident on the same weights: the checkpoint's for the
+torch engine's resident and cg platforms, the expert file's (`expert_type`) for mn and for
+llama.cpp. The contract checked:
+- T = 0: the tokens equal plain decoding's, token for token.
+- T > 0, AR offload: equal to plain AR's at the same seed (the same logits, the same draws).
+- T > 0, speculative: the first token equals plain AR's (both are the first draw from the
+  target's prefill distribution), and the same case decoded twice emits the same tokens (a
+  seeded run is reproducible). That the emitted tokens follow the target's distribution is a
+  statistical property, proved by `tests/test_speculative.py` (χ² against the exact joint).
+"""
+from __future__ import annotations
+
+import json
+import random
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from bench import prompts, registry
+
+MODELS = ("ds-tiny", "ml-tiny")
+PLATFORMS = {"torch": ("resident", "cg", "mn"), "llama.cpp": ("mn", "resident")}
+EXPERT_TYPES = {"torch": ("q4_0", "f32", "bf16"), "llama.cpp": ("q4_0", "f32")}
+
+
+@dataclass(frozen=True)
+class Case:
+    index: int
+    model: str
+    engine: str
+    platform: str
+    method: str
+    expert_type: str = "q4_0"
+    r: int = 1
+    draft_experts: str | None = None  # a preset file name, "zero", or None (the default: `full`)
+    k_max: int = 4
+    tau: float = 0.6
+    budget: int = 24
+    budget_mode: str = "fixed"
+    truncate: bool = True
+    prefetch: bool = True
+    draft_cache: str = "shared"
+    cache_experts: int = 0
+    staging: str = "demand"
+    prompt_id: str | None = None  # a suite prompt, else `random_ids`
+    random_ids: list[int] = field(default_factory=list)
+    max_new_tokens: int = 16
+    temperature: float = 0.0
+    seed: int = 0
+
+
+def draw(engine: str, seed: int, index: int) -> Case:
+    rng = random.Random(f"{seed}/{engine}/{index}")
+    model = rng.choice(MODELS)
+    folder = registry.resolve(model)
+    cfg = json.loads((folder / "config.json").read_text())
+    top_k, vocab = cfg["num_experts_per_tok"], cfg["vocab_size"]
+    platform = rng.choice(PLATFORMS[engine])
+    method = rng.choices(["ar", "top-r", "draftexpert"], weights=[1, 2, 3])[0]
+    presets = sorted(p.name for p in (folder / "draft_experts").glob("*.safetensors"))
+    c = dict(index=index, model=model, engine=engine, platform=platform, method=method,
+             expert_type=rng.choice(EXPERT_TYPES[engine]) if (engine == "llama.cpp" or platform == "mn") else "q4_0",
+             max_new_tokens=rng.randint(1, 40))
+    if method == "top-r":
+        c["r"] = rng.randint(1, top_k - 1)
+    if method == "draftexpert":
+        c["draft_experts"] = rng.choice([None, "zero", *presets])
+    if method != "ar":
+        c.update(k_max=rng.randint(1, 8), tau=rng.choice([0.0, 1.0, round(rng.random(), 3)]),
+                 budget=rng.choice([0, 1, 6, 24, 48, 1000]), budget_mode=rng.choice(["fixed", "cache"]),
+                 truncate=rng.random() < 0.7, prefetch=rng.random() < 0.7)
+        if engine == "torch":
+            c["draft_cache"] = rng.choice(["shared", "own"])
+    if engine == "torch" and platform != "resident":
+        c["cache_experts"] = rng.choice([0, 0, 6, 64])
+    if engine == "llama.cpp" and platform == "mn":
+        c["staging"] = rng.choice(["demand", "pagefault"])
+    if rng.random() < 0.1:
+        c["random_ids"] = [rng.randrange(vocab) for _ in range(rng.randint(1, 48))]
+    else:
+        suite = rng.choice(list(prompts.SUITES))
+        c["prompt_id"] = rng.choice(prompts.load(suite))["id"]
+    if engine == "torch" and rng.random() < 0.3:
+        c.update(temperature=round(rng.uniform(0.3, 1.5), 2), seed=rng.randrange(1 << 16))
+    return Case(**c)
+
+
+def replay_command(case: Case, seed: int) -> str:
+    return f"bench fuzz --engine {case.engine} --seed {seed} --case {case.index}"
+
+
+class Campaign:
+    """Builds decoders (through the CLI's factory) and caches plain decoding's tokens."""
+
+    def __init__(self, expert_file: Callable[[str, Path, str], Path]):
+        self.expert_file = expert_file
+        self._plain: dict[tuple, list[int]] = {}
+        self._prompts = {p["id"]: p["prompt"] for s in prompts.SUITES for p in prompts.load(s)}
+        self._tokenizers: dict[str, object] = {}
+
+    def _decoder(self, case: Case, method: str, platform: str, cache_experts: int, spec=None,
+                 resident_from_file: bool = False):
+        from bench.decoders import SpecOptions, make_decoder
+
+        folder = registry.resolve(case.model)
+        return make_decoder(case.model, folder, method, platform, expert_type=case.expert_type,
+                            cache_experts=cache_experts, temperature=case.temperature, seed=case.seed,
+                            max_new_tokens=case.max_new_tokens,
+                            expert_file=lambda qt: self.expert_file(case.model, folder, qt),
+                            spec=spec or SpecOptions(), engine=case.engine,
+                            staging=case.staging if case.engine == "llama.cpp" else "demand",
+                            resident_from_file=resident_from_file)
+
+    def prompt_ids(self, case: Case, tokenizer) -> list[int]:
+        from bench.prompts import render_prompt
+
+        return list(case.random_ids) if case.random_ids else render_prompt(tokenizer, self._prompts[case.prompt_id])
+
+    def plain(self, case: Case, ids: list[int]) -> list[int]:
+        """AR with every expert resident, on the weights the case's decoder computes with."""
+        from_file = case.engine == "llama.cpp" or case.platform == "mn"
+        key = (case.model, case.engine, case.expert_type if from_file else "checkpoint", tuple(ids),
+               case.max_new_tokens, case.temperature, case.seed)
+        if key not in self._plain:
+            dec, tok, _ = self._decoder(case, "ar", "resident", 0, resident_from_file=from_file)
+            try:
+                self._plain[key] = dec.generate(ids, case.max_new_tokens, tok.eos_token_id).tokens
+            finally:
+                dec.close()
+        return self._plain[key]
+
+    def check(self, case: Case) -> dict:
+        """{"ok", "tokens", "plain", "why"} for one case."""
+        from bench.decoders import SpecOptions
+        from draftexpert.speculation.round import SpecConfig
+
+        spec = SpecOptions(r=case.r, draft_experts=self._draft_file(case),
+                           round=SpecConfig(k_max=case.k_max, tau=case.tau, budget=case.budget,
+                                            budget_mode=case.budget_mode, truncate=case.truncate,
+                                            prefetch=case.prefetch, draft_cache=case.draft_cache))
+        dec, tok, _ = self._decoder(case, case.method, case.platform, case.cache_experts, spec)
+        try:
+            ids = self.prompt_ids(case, tok)
+            out = dec.generate(ids, case.max_new_tokens, tok.eos_token_id).tokens
+            again = dec.generate(ids, case.max_new_tokens, tok.eos_token_id).tokens \
+                if case.temperature > 0 and case.method != "ar" else out
+        finally:
+            dec.close()
+        plain = self.plain(case, ids)
+        if case.temperature <= 0 or case.method == "ar":
+            ok, why = out == plain, "tokens differ from plain decoding"
+        else:
+            ok = out == again and out[:1] == plain[:1]
+            why = "not reproducible at its seed" if out != again else "first token differs from plain AR's"
+        return {"ok": ok, "tokens": out, "plain": plain, "why": None if ok else why}
+
+    def _draft_file(self, case: Case) -> Path | None:
+        if case.method != "draftexpert" or case.draft_experts is None:
+            return None
+        if case.draft_experts == "zero":
+            return ZERO
+        return registry.resolve(case.model) / "draft_experts" / case.draft_experts
+
+
+ZERO = Path("zero")  # the zero draft expert: shared + top-1 (resolved by `bench.artifacts`)
+
+
+def run(engine: str, cases: int, seed: int, only: int | None, expert_file, log, out: Path | None = None) -> dict:
+    """Run cases 0 … cases-1 (or just `only`); a JSONL line per case to `out` when given."""
+    camp = Campaign(expert_file)
+    indices = [only] if only is not None else range(cases)
+    mismatches, t0, n = [], time.perf_counter(), 0
+    sink = open(out, "a") if out else None
+    try:
+        for i in indices:
+            case = draw(engine, seed, i)
+            res = camp.check(case)
+            n += 1
+            if sink:
+                sink.write(json.dumps({"case": asdict(case), **res}) + "\n")
+                sink.flush()
+            if not res["ok"]:
+                mismatches.append({"case": asdict(case), "why": res["why"], "replay": replay_command(case, seed)})
+                log(f"MISMATCH case {i}: {res['why']} — replay: {replay_command(case, seed)}")
+            if only is not None:
+                log(json.dumps({"case": asdict(case), **res}))
+            if only is not None or n % 50 == 0:
+                log(f"{n} cases, {len(mismatches)} mismatches, {time.perf_counter() - t0:.0f} s")
+    finally:
+        if sink:
+            sink.close()
+    return {"engine": engine, "seed": seed, "cases": n, "mismatches": len(mismatches), "failures": mismatches,
+            "wall_s": round(time.perf_counter() - t0, 1)}
