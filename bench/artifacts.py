@@ -2,6 +2,10 @@
 split 2 of the llama.cpp model), the llama.cpp heads (split 1: a target's or a DraftExpert
 drafter's), and where a model's distilled draft experts live.
 
+Every GGUF written here carries per-tensor checksums (`gguf_experts.verify_checksums`); a cached
+file is checked before it is used — cheaply when unchanged since its last check — and a damaged
+or unfinished one is rebuilt, never used.
+
 Draft experts: embedded models keep theirs beside the weights,
 `models/<name>/draft_experts/<preset>.safetensors`; real models (whose folder may be a read-only
 Hugging Face cache) under `work/draft_experts/<name>/`.
@@ -22,20 +26,37 @@ def _stderr(msg: str) -> None:
     print(msg, file=sys.stderr)
 
 
+def usable(path: Path, log: Callable[[str], None] = _stderr, full: bool = False) -> bool:
+    """Whether a cached artifact exists and matches its checksums; a damaged one is removed
+    (with its sidecar), so the caller writes it anew."""
+    from draftexpert.runtime.gguf_experts import checksum_path, verify_checksums
+
+    if not path.exists():
+        return False
+    problem = verify_checksums(path, full=full)
+    if problem is None:
+        return True
+    log(f"{path} is damaged: {problem}; rebuilding it")
+    path.unlink()
+    checksum_path(path).unlink(missing_ok=True)
+    return False
+
+
 def expert_file_for(model: str, folder: Path, qtype: str, out: Path | None = None,
-                    log: Callable[[str], None] = _stderr) -> Path:
-    """The GGUF expert file of a checkpoint, written once and reused: its name carries a
-    fingerprint of config.json and the shards' names, sizes and mtimes."""
+                    log: Callable[[str], None] = _stderr, verify: bool = False) -> Path:
+    """The GGUF expert file of a checkpoint, written once and reused (after its checksums are
+    checked; `verify`: every byte read again): its name carries a fingerprint of config.json and
+    the shards' names, sizes and mtimes."""
     from bench.sources import cache_dir
     from draftexpert.runtime.loader import convert_experts
 
     h = hashlib.sha256((folder / "config.json").read_bytes())
-    h.update(b"expert split v2")  # v2: the file is split 2 of the llama.cpp model (split.no = 1)
+    h.update(b"expert split v3")  # v2: split 2 of the llama.cpp model (split.no = 1); v3: checksummed
     for p in sorted(folder.glob("*.safetensors")):
         st = p.stat()
         h.update(f"{p.name}:{st.st_size}:{st.st_mtime_ns}".encode())
     path = out or cache_dir() / "gguf" / f"{model}-{qtype}-{h.hexdigest()[:12]}.gguf"
-    if not path.exists():
+    if not usable(path, log, verify):
         path.parent.mkdir(parents=True, exist_ok=True)
         log(f"writing the {qtype} expert file {path} (once)")
         convert_experts(folder, path, qtype)
@@ -43,14 +64,14 @@ def expert_file_for(model: str, folder: Path, qtype: str, out: Path | None = Non
 
 
 def llama_head_for(model: str, folder: Path, qtype: str, expert_file: Path, draft=None, draft_id: str | None = None,
-                   log: Callable[[str], None] = _stderr) -> Path:
+                   log: Callable[[str], None] = _stderr, verify: bool = False) -> Path:
     """Split 1 of the llama.cpp model (the target's, or a DraftExpert drafter's), written once next
     to the expert file, whose symlink is split 2 (`draftexpert.engines.llama_gguf`)."""
     from draftexpert.engines.llama_gguf import link_experts, split_name, write_head
 
     prefix = expert_file.with_suffix("") / ("target" if draft is None else f"draftexpert-{draft_id}")
     head = split_name(prefix, 1)
-    if not head.exists():
+    if not usable(head, log, verify):
         head.parent.mkdir(parents=True, exist_ok=True)
         log(f"writing the llama.cpp {qtype} head {head} (once)")
         write_head(folder, head, qtype, draft)

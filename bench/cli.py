@@ -228,10 +228,10 @@ def prompts_fetch():
 # ---------------------------------------------------------------- run
 
 
-def expert_file(model: str, folder: Path, qtype: str, out: Path | None = None) -> Path:
+def expert_file(model: str, folder: Path, qtype: str, out: Path | None = None, verify: bool = False) -> Path:
     from bench.artifacts import expert_file_for
 
-    return expert_file_for(model, folder, qtype, out, log=log)
+    return expert_file_for(model, folder, qtype, out, log=log, verify=verify)
 
 
 @app.command()
@@ -244,6 +244,9 @@ def convert(model: ModelOpt = "ds-tiny",
             draft_experts: Annotated[Path | None, typer.Option("--draft-experts", help="With --drafter: a distilled "
                                                                "checkpoint (default: the model's `full` preset, else zero).")] = None,
             out: Annotated[Path | None, typer.Option("--out", help="Expert file to write (default: the cache).")] = None,
+            verify: Annotated[bool, typer.Option("--verify", help="Read every existing file back against its "
+                                                 "checksums (else only files changed since their last check are); "
+                                                 "a damaged one is rebuilt.")] = False,
             as_json: JsonOpt = False):
     """Write a checkpoint as GGUF: the routed experts (the flash store's file, platform mn) and the
     llama.cpp model over them — a head with every other weight as split 1, the expert file as
@@ -260,17 +263,19 @@ def convert(model: ModelOpt = "ds-tiny",
         fail(f"--type: {qtype!r} is not one of {', '.join(TYPES)}")
     folder = resolve_or_fail(model, model_path)
     try:
-        path = expert_file(model, folder, qtype, out)
-        files = {"experts": str(path), "target": str(llama_head_for(model, folder, qtype, path, log=log))}
+        path = expert_file(model, folder, qtype, out, verify)
+        files = {"experts": str(path), "target": str(llama_head_for(model, folder, qtype, path, log=log, verify=verify))}
         if drafter:
             draft, meta = load_draft_experts_for(model, folder, draft_experts)
             if draft is None:
                 fail(f"--drafter: {model} has no distilled draft experts (bench distill), and --draft-experts was not given")
-            files["draftexpert"] = str(llama_head_for(model, folder, qtype, path, draft, meta["sha256"], log=log))
+            files["draftexpert"] = str(llama_head_for(model, folder, qtype, path, draft, meta["sha256"], log=log,
+                                                      verify=verify))
     except (CheckpointError, DistillError, ValueError) as e:
         fail(str(e))
-    emit({"model": model, "type": qtype, "bytes": path.stat().st_size, **files}, as_json,
-         "\n".join(f"{k}: {v}" for k, v in files.items()))
+    emit({"model": model, "type": qtype, "bytes": path.stat().st_size, "verified": "every byte" if verify else
+          "checksums (files unchanged since their last check are not reread)", **files}, as_json,
+         "\n".join(f"{k}: {v}" for k, v in files.items()) + ("\nevery file matches its checksums" if verify else ""))
 
 
 def _check_run_flags(platform: str, expert_type: str, suite: list[str] | None) -> None:

@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from draftexpert.runtime.gguf_experts import ARCH, TYPES, _qtype, finish_atomic
+from draftexpert.runtime.gguf_experts import ARCH, TYPES, _qtype, add_tensor, finish_atomic
 
 N_SPLITS = 2
 
@@ -201,10 +201,11 @@ def write_head(folder: Path, path: Path, qtype: str, draft=None) -> Path:
     w.add_int32(gguf.Keys.Split.LLM_KV_SPLIT_TENSORS_COUNT, len(tensors) + 3 * n_moe)
     w.add_string("draftexpert.content", "head" if draft is None else "draftexpert drafter head")
     _metadata(w, cfg, folder, qtype, shared, used_count=1 if draft is not None else cfg.num_experts_per_tok)
+    digests: dict[str, str] = {}
     for name, arr, keep in tensors:
         data, raw = _encode(arr, qtype, keep)
-        w.add_tensor(name, data, raw_dtype=raw) if raw is not None else w.add_tensor(name, data)
-    return finish_atomic(w, tmp, path)
+        add_tensor(w, digests, name, data, raw)
+    return finish_atomic(w, tmp, path, digests)
 
 
 def link_experts(prefix: Path, expert_file: Path) -> Path:

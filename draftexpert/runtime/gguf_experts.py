@@ -10,6 +10,13 @@ aligned and Q4_0 slices cost at most one extra page a read). Keeping llama.cpp's
 the same file serves llama.cpp (platform mn's second engine) as split 2 of the model
 (`split.no = 1`; `llama_gguf` writes split 1, the head).
 
+Integrity: every file this module's writers produce has a sidecar `<file>.sha256.json` with the
+sha256 of each tensor's bytes, written when the file is complete (a file without it is
+unfinished). `verify_checksums` reads the tensors back and compares; it records the file's
+size, mtime and inode when they match, so the next open checks only those (cheap) and reads
+everything again only when the file has changed since — or when asked (`full=True`, what
+`bench convert --verify` does).
+
 Types: F32, F16, BF16, Q4_0 (18-byte blocks of 32 weights: an f16 scale d, then 16 bytes whose low
 nibbles are weights 0–15 and high nibbles 16–31; w = d · (q − 8)), bit-identical to llama.cpp's.
 Q4_0 is dequantised by ggml's own `dequantize_row_q4_0` (the format's reference code, from the
@@ -19,6 +26,8 @@ torch ops — the two are tested equal.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import mmap
 import os
 import queue
@@ -56,6 +65,7 @@ def write_expert_gguf(path: Path, experts, meta: dict, qtype: str = "q4_0") -> P
                          f"moe_intermediate {meta['n_ff_exp']} must both be multiples of 32 (use f16 or bf16)")
     path = Path(path)
     tmp = path.with_name(path.name + ".part")
+    digests: dict[str, str] = {}
     w = gguf.GGUFWriter(str(tmp), ARCH)
     w.add_custom_alignment(ALIGN)
     w.add_uint16(gguf.Keys.Split.LLM_KV_SPLIT_NO, 1)  # split 2 of the llama.cpp model (llama_gguf)
@@ -74,22 +84,95 @@ def write_expert_gguf(path: Path, experts, meta: dict, qtype: str = "q4_0") -> P
             arr = t.detach().float().contiguous().numpy()
             name = f"blk.{layer}.ffn_{part}_exps.weight"
             if qtype == "f32":
-                w.add_tensor(name, arr)
+                add_tensor(w, digests, name, arr)
             elif qtype == "f16":
-                w.add_tensor(name, arr.astype(np.float16))
+                add_tensor(w, digests, name, arr.astype(np.float16))
             else:
-                w.add_tensor(name, gguf.quants.quantize(arr, qt), raw_dtype=qt)
-    return finish_atomic(w, tmp, path)
+                add_tensor(w, digests, name, gguf.quants.quantize(arr, qt), raw_dtype=qt)
+    return finish_atomic(w, tmp, path, digests)
 
 
-def finish_atomic(w, tmp: Path, path: Path) -> Path:
-    """Write a GGUFWriter's file to `tmp`, then move it to `path` in one step."""
+def add_tensor(w, digests: dict[str, str], name: str, arr: np.ndarray, raw_dtype=None) -> None:
+    """GGUFWriter.add_tensor, remembering the sha256 of the bytes it will write."""
+    arr = np.ascontiguousarray(arr)
+    digests[name] = hashlib.sha256(arr.view(np.uint8).reshape(-1)).hexdigest()
+    w.add_tensor(name, arr, raw_dtype=raw_dtype) if raw_dtype is not None else w.add_tensor(name, arr)
+
+
+def checksum_path(path: Path) -> Path:
+    return Path(path).with_name(Path(path).name + ".sha256.json")
+
+
+def _stamp(path: Path) -> list[int]:
+    st = os.stat(path)
+    return [st.st_size, st.st_mtime_ns, st.st_ino]
+
+
+def finish_atomic(w, tmp: Path, path: Path, digests: dict[str, str]) -> Path:
+    """Write a GGUFWriter's file to `tmp`, move it to `path` in one step, then its checksums."""
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+    checksum_path(path).unlink(missing_ok=True)  # until the new sidecar exists the file counts as unfinished
     os.replace(tmp, path)
+    _write_sidecar(path, {"algorithm": "sha256", "tensors": digests, "verified": _stamp(path)})
     return path
+
+
+def _write_sidecar(path: Path, data: dict) -> None:
+    side = checksum_path(path)
+    tmp = side.with_name(f".{side.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(json.dumps(data, indent=1) + "\n")
+        os.replace(tmp, side)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def verify_checksums(path: Path, full: bool = False) -> str | None:
+    """None when `path` matches its checksums, else what is wrong. Without `full`, a file
+    unchanged (size, mtime, inode) since it was last verified is not read again."""
+    import gguf
+
+    path = Path(path)
+    side = checksum_path(path)
+    try:
+        data = json.loads(side.read_text())
+        digests = data["tensors"]
+    except (OSError, ValueError, KeyError):
+        return f"it has no readable checksum file {side.name} (an unfinished or older file)"
+    if not full and data.get("verified") == _stamp(path):
+        return None
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as e:  # noqa: BLE001 - a damaged header raises ValueError/struct.error/IndexError
+        return f"its header is not readable GGUF ({type(e).__name__})"
+    found = {t.name: t for t in reader.tensors}
+    del reader
+    if set(found) != set(digests):
+        return f"it holds other tensors than were written ({len(found)} vs {len(digests)})"
+    size = path.stat().st_size
+    with open(path, "rb", buffering=0) as f:
+        for name, t in found.items():
+            if t.data_offset + t.n_bytes > size:
+                return f"it is truncated (tensor {name} ends past the end)"
+            h, left = hashlib.sha256(), int(t.n_bytes)
+            f.seek(t.data_offset)
+            while left:
+                chunk = f.read(min(left, 1 << 24))
+                if not chunk:
+                    return f"it is truncated (tensor {name})"
+                h.update(chunk)
+                left -= len(chunk)
+            if h.hexdigest() != digests[name]:
+                return f"tensor {name} does not match its checksum (damaged bytes)"
+    data["verified"] = _stamp(path)
+    try:
+        _write_sidecar(path, data)
+    except OSError:
+        pass  # a read-only cache only costs the full check next time
+    return None
 
 
 @dataclass
