@@ -47,7 +47,13 @@ class SpecOptions:
 def _tokenizer(folder: Path):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    from draftexpert.runtime.loader import CheckpointError
+
+    try:
+        return AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - transformers raises OSError / ValueError / its own types
+        raise CheckpointError(f"the tokenizer in {folder} could not be loaded ({type(e).__name__}); a model folder "
+                              "needs tokenizer.json and tokenizer_config.json beside config.json") from None
 
 
 def _round_args(conf: SpecConfig, *drop: str) -> dict:

@@ -162,17 +162,17 @@ class RecordWriter:
             raise ValueError("a record needs its cell `key` (see cell_key)")
         line = (json.dumps(record, sort_keys=True, default=_jsonable) + "\n").encode()
         view, written = memoryview(line), 0
+        start = os.fstat(self._fd).st_size
         try:
             while written < len(line):  # a regular-file write is whole in practice; loop for correctness
                 written += os.write(self._fd, view[written:])
             if self.fsync:
                 os.fsync(self._fd)
         except OSError as e:
-            if written:  # a partial line: take it back, so the file ends on a whole record
-                try:
-                    os.ftruncate(self._fd, os.fstat(self._fd).st_size - written)
-                except OSError:
-                    pass  # the next writer repairs the torn tail
+            try:  # take back any part of the line, so the file ends on a whole record
+                os.ftruncate(self._fd, start)
+            except OSError:
+                pass  # the next writer repairs the torn tail
             raise RunFolderError(f"writing {self.path} failed: {e.strerror or e}; the records before this one "
                                  "are kept — free space (or fix the folder) and rerun the same command to resume") from None
         self.done.add(record["key"])

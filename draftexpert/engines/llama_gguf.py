@@ -202,10 +202,13 @@ def write_head(folder: Path, path: Path, qtype: str, draft=None) -> Path:
     w.add_string("draftexpert.content", "head" if draft is None else "draftexpert drafter head")
     _metadata(w, cfg, folder, qtype, shared, used_count=1 if draft is not None else cfg.num_experts_per_tok)
     digests: dict[str, str] = {}
-    for name, arr, keep in tensors:
-        data, raw = _encode(arr, qtype, keep)
-        add_tensor(w, digests, name, data, raw)
-    return finish_atomic(w, tmp, path, digests)
+    try:
+        for name, arr, keep in tensors:
+            data, raw = _encode(arr, qtype, keep)
+            add_tensor(w, digests, name, data, raw)
+        return finish_atomic(w, tmp, path, digests)
+    finally:
+        tmp.unlink(missing_ok=True)  # written and renamed, or abandoned: no half file stays
 
 
 def link_experts(prefix: Path, expert_file: Path) -> Path:

@@ -78,18 +78,21 @@ def write_expert_gguf(path: Path, experts, meta: dict, qtype: str = "q4_0") -> P
     w.add_file_type({"f32": 0, "f16": 1, "bf16": 32, "q4_0": 2}[qtype])
     w.add_string("draftexpert.content", "routed experts")
     qt = _qtype(qtype)
-    for layer, gate_up, down in experts:
-        inter = gate_up.shape[1] // 2
-        for part, t in (("gate", gate_up[:, :inter]), ("up", gate_up[:, inter:]), ("down", down)):
-            arr = t.detach().float().contiguous().numpy()
-            name = f"blk.{layer}.ffn_{part}_exps.weight"
-            if qtype == "f32":
-                add_tensor(w, digests, name, arr)
-            elif qtype == "f16":
-                add_tensor(w, digests, name, arr.astype(np.float16))
-            else:
-                add_tensor(w, digests, name, gguf.quants.quantize(arr, qt), raw_dtype=qt)
-    return finish_atomic(w, tmp, path, digests)
+    try:
+        for layer, gate_up, down in experts:
+            inter = gate_up.shape[1] // 2
+            for part, t in (("gate", gate_up[:, :inter]), ("up", gate_up[:, inter:]), ("down", down)):
+                arr = t.detach().float().contiguous().numpy()
+                name = f"blk.{layer}.ffn_{part}_exps.weight"
+                if qtype == "f32":
+                    add_tensor(w, digests, name, arr)
+                elif qtype == "f16":
+                    add_tensor(w, digests, name, arr.astype(np.float16))
+                else:
+                    add_tensor(w, digests, name, gguf.quants.quantize(arr, qt), raw_dtype=qt)
+        return finish_atomic(w, tmp, path, digests)
+    finally:
+        tmp.unlink(missing_ok=True)  # written and renamed, or abandoned: no half file stays
 
 
 def add_tensor(w, digests: dict[str, str], name: str, arr: np.ndarray, raw_dtype=None) -> None:
