@@ -272,3 +272,19 @@ def test_flags_that_do_not_apply_are_refused(tiny_checkpoint, tmp_path, args, wo
     p = run_bench(*_run(tiny_checkpoint, tmp_path / "x", *args), env=_env(tmp_path))
     _one_line_error(p, words)
     assert not (tmp_path / "x").exists()
+
+
+def test_llama_cpp_refuses_a_sequence_past_its_context(tiny_checkpoint, tmp_path, monkeypatch):
+    pytest.importorskip("llama_cpp")
+    from bench.decoders import make_decoder
+
+    monkeypatch.setenv("DRAFTEXPERT_CACHE", str(tmp_path / "cache"))
+    for method in ("ar", "top-r"):
+        dec, _, _ = make_decoder("ds-tiny", tiny_checkpoint, method, "mn", expert_type="f32", engine="llama.cpp",
+                                 expert_file=lambda qt: artifacts.expert_file_for("ds-tiny", tiny_checkpoint, qt))
+        try:
+            assert dec.context_length == 2048
+            with pytest.raises(ContextOverflow):
+                dec.generate([1] * 2000, 49, None)
+        finally:
+            dec.close()

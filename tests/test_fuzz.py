@@ -1,0 +1,25 @@
+"""`bench fuzz`: cases replay by themselves, and the campaign's check catches a broken decoder."""
+from bench import fuzz as fz
+from bench.artifacts import expert_file_for
+
+
+def test_a_case_is_drawn_from_its_seed_and_index_alone():
+    assert fz.draw("torch", 3, 17) == fz.draw("torch", 3, 17)
+    cases = [fz.draw("torch", 0, i) for i in range(40)] + [fz.draw("llama.cpp", 0, i) for i in range(40)]
+    assert {c.method for c in cases} == {"ar", "top-r", "draftexpert"}
+    assert {c.platform for c in cases} == {"resident", "cg", "mn"}
+    assert any(c.temperature > 0 for c in cases) and all(c.temperature == 0 for c in cases if c.engine == "llama.cpp")
+    assert fz.replay_command(cases[5], 0) == "bench fuzz --engine torch --seed 0 --case 5"
+
+
+def test_the_check_catches_an_accept_rule_that_keeps_every_draft(monkeypatch, tmp_path):
+    import draftexpert.speculation.round as rnd
+
+    monkeypatch.setenv("DRAFTEXPERT_CACHE", str(tmp_path))
+    camp = fz.Campaign(lambda m, f, qt: expert_file_for(m, f, qt))
+    case = fz.Case(index=0, model="ds-tiny", engine="torch", platform="resident", method="top-r", r=1, k_max=4,
+                   truncate=False, prefetch=False, prompt_id="gsm8k-000", max_new_tokens=32)
+    assert camp.check(case)["ok"]
+    monkeypatch.setattr(rnd, "greedy_accept", lambda draft, argmax: (draft + [argmax[len(draft)]], len(draft)))
+    res = camp.check(case)
+    assert not res["ok"] and res["why"] == "tokens differ from plain decoding"
