@@ -42,15 +42,16 @@ def fig1b_runs(results_dir: Path, log, per_suite: int = FIG1B_PER_SUITE, tokens:
     recs = prompts.load(limit=per_suite)
     runs = results_dir / "runs"
     machine = collect(expert_storage(), keep_probe=True)
+    cells = set()
     for platform, qtype in FIG1B_CELLS:
         decoder, tok, cfg = make_decoder(FIG1B_MODEL, folder, "ar", platform, expert_type=qtype,
                                          max_new_tokens=tokens,
                                          expert_file=lambda qt: expert_file_for(FIG1B_MODEL, folder, qt, log=log))
         name = f"fig1b-{FIG1B_MODEL}-{platform}" + (f"-{qtype}" if platform == "mn" else "")
-        run_cells(cfg, recs, decoder, tok, runs / name, machine=machine, log=log)
+        cells.add(run_cells(cfg, recs, decoder, tok, runs / name, machine=machine, log=log)["config_hash"])
         decoder.close()
     b = fig1b.breakdown(load_results(*[runs / d for d in sorted(p.name for p in runs.iterdir() if p.name.startswith("fig1b-"))]),
-                        machine_id=machine["machine_id"])
+                        config_hashes=cells)
     (results_dir / "fig1b_breakdown.md").write_text(fig1b.table(b))
     figs = fig1b.figure(b, results_dir / "figures" / "fig1b_breakdown")
     return ["results/runs/fig1b-*", "results/fig1b_breakdown.md", *[str(p.relative_to(results_dir.parent)) for p in figs]]

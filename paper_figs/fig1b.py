@@ -19,12 +19,12 @@ from draftexpert import metrics  # noqa: E402
 from paper_figs.output import save  # noqa: E402
 
 
-def breakdown(records: pd.DataFrame, machine_id: str | None = None) -> pd.DataFrame:
-    """Per-cell time breakdown; only records of `machine_id` when given (results of several
-    machines can share a run folder)."""
+def breakdown(records: pd.DataFrame, config_hashes: set[str] | None = None) -> pd.DataFrame:
+    """Per-cell time breakdown; only records of the cells in `config_hashes` when given (a run
+    folder can hold cells of other machines or other weights)."""
     df = records[records["method"] == "ar"].copy()
-    if machine_id is not None:
-        df = df[df["machine_id"] == machine_id]
+    if config_hashes is not None:
+        df = df[df["config_hash"].isin(config_hashes)]
     df["expert_type"] = df["method_args"].map(lambda a: a.get("expert_type", "—") if isinstance(a, dict) else "—")
     df["device"] = df["method_args"].map(lambda a: a.get("device", "?") if isinstance(a, dict) else "?")
     keys = ["model", "platform", "expert_type", "device"]

@@ -54,15 +54,19 @@ def _qtype(name: str):
 
 
 def write_expert_gguf(path: Path, experts, meta: dict, qtype: str = "q4_0") -> Path:
-    """Write experts into `path` (atomically). `experts` yields (layer, gate_up [E, 2I, H],
-    down [E, H, I]) float tensors; `meta` holds n_layer, n_expert, n_embd, n_ff_exp, first_dense."""
+    """Write experts into `path` (atomically), streaming: every tensor's shape is known from
+    `meta` (n_layer, n_expert, n_embd, n_ff_exp, first_dense), so the header and tensor infos go
+    first and each layer's tensors are encoded and written as `experts` yields them — (layer,
+    gate_up [E, 2I, H], down [E, H, I]) float tensors, MoE layers in order. Memory stays at one
+    layer (DS-V2-Lite: ~2 GiB in fp32), never the whole file (26.8 GiB in bf16)."""
     import gguf
 
     if qtype not in TYPES:
         raise ValueError(f"unsupported expert type {qtype!r}; choose one of {', '.join(TYPES)}")
-    if qtype == "q4_0" and (meta["n_embd"] % 32 or meta["n_ff_exp"] % 32):
-        raise ValueError(f"Q4_0 quantises rows in blocks of 32 weights: hidden {meta['n_embd']} and "
-                         f"moe_intermediate {meta['n_ff_exp']} must both be multiples of 32 (use f16 or bf16)")
+    E, H, I = meta["n_expert"], meta["n_embd"], meta["n_ff_exp"]
+    if qtype == "q4_0" and (H % 32 or I % 32):
+        raise ValueError(f"Q4_0 quantises rows in blocks of 32 weights: hidden {H} and "
+                         f"moe_intermediate {I} must both be multiples of 32 (use f16 or bf16)")
     path = Path(path)
     tmp = path.with_name(path.name + ".part")
     digests: dict[str, str] = {}
@@ -71,34 +75,55 @@ def write_expert_gguf(path: Path, experts, meta: dict, qtype: str = "q4_0") -> P
     w.add_uint16(gguf.Keys.Split.LLM_KV_SPLIT_NO, 1)  # split 2 of the llama.cpp model (llama_gguf)
     w.add_uint16(gguf.Keys.Split.LLM_KV_SPLIT_COUNT, 2)
     w.add_block_count(meta["n_layer"])
-    w.add_embedding_length(meta["n_embd"])
-    w.add_expert_count(meta["n_expert"])
-    w.add_expert_feed_forward_length(meta["n_ff_exp"])
+    w.add_embedding_length(H)
+    w.add_expert_count(E)
+    w.add_expert_feed_forward_length(I)
     w.add_leading_dense_block_count(meta["first_dense"])
     w.add_file_type({"f32": 0, "f16": 1, "bf16": 32, "q4_0": 2}[qtype])
     w.add_string("draftexpert.content", "routed experts")
     qt = _qtype(qtype)
+    shapes = {"gate": (E, I, H), "up": (E, I, H), "down": (E, H, I)}
+    plan = [(layer, part) for layer in range(meta["first_dense"], meta["n_layer"]) for part in PARTS]
+    for layer, part in plan:  # numpy order; element shapes, byte counts of the encoded type
+        shape = shapes[part]
+        n = int(np.prod(shape))
+        nbytes = {"f32": 4 * n, "f16": 2 * n, "bf16": 2 * n, "q4_0": n // 32 * 18}[qtype]
+        dtype = {"f32": np.float32, "f16": np.float16}.get(qtype, np.float32)
+        w.add_tensor_info(f"blk.{layer}.ffn_{part}_exps.weight", shape, dtype, nbytes,
+                          raw_dtype=qt if qtype in ("bf16", "q4_0") else None)
     try:
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        todo = iter(plan)
         for layer, gate_up, down in experts:
             inter = gate_up.shape[1] // 2
             for part, t in (("gate", gate_up[:, :inter]), ("up", gate_up[:, inter:]), ("down", down)):
+                if next(todo, None) != (layer, part):
+                    raise ValueError(f"expert tensors out of order: layer {layer} {part} was not expected next")
                 arr = t.detach().float().contiguous().numpy()
-                name = f"blk.{layer}.ffn_{part}_exps.weight"
-                if qtype == "f32":
-                    add_tensor(w, digests, name, arr)
-                elif qtype == "f16":
-                    add_tensor(w, digests, name, arr.astype(np.float16))
-                else:
-                    add_tensor(w, digests, name, gguf.quants.quantize(arr, qt), raw_dtype=qt)
-        return finish_atomic(w, tmp, path, digests)
+                data = arr if qtype == "f32" else arr.astype(np.float16) if qtype == "f16" else gguf.quants.quantize(arr, qt)
+                data = np.ascontiguousarray(data)
+                digests[f"blk.{layer}.ffn_{part}_exps.weight"] = _digest(data)
+                w.write_tensor_data(data)
+            del gate_up, down
+        if next(todo, None) is not None:
+            raise ValueError("the checkpoint yielded fewer MoE layers than its config declares")
+        w.close()
+        return _publish(tmp, path, digests)
     finally:
+        w.close()
         tmp.unlink(missing_ok=True)  # written and renamed, or abandoned: no half file stays
+
+
+def _digest(arr: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(arr).view(np.uint8).reshape(-1)).hexdigest()
 
 
 def add_tensor(w, digests: dict[str, str], name: str, arr: np.ndarray, raw_dtype=None) -> None:
     """GGUFWriter.add_tensor, remembering the sha256 of the bytes it will write."""
     arr = np.ascontiguousarray(arr)
-    digests[name] = hashlib.sha256(arr.view(np.uint8).reshape(-1)).hexdigest()
+    digests[name] = _digest(arr)
     w.add_tensor(name, arr, raw_dtype=raw_dtype) if raw_dtype is not None else w.add_tensor(name, arr)
 
 
@@ -117,6 +142,11 @@ def finish_atomic(w, tmp: Path, path: Path, digests: dict[str, str]) -> Path:
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+    return _publish(tmp, path, digests)
+
+
+def _publish(tmp: Path, path: Path, digests: dict[str, str]) -> Path:
+    """Move a finished file into place, then write its checksums."""
     checksum_path(path).unlink(missing_ok=True)  # until the new sidecar exists the file counts as unfinished
     os.replace(tmp, path)
     _write_sidecar(path, {"algorithm": "sha256", "tensors": digests, "verified": _stamp(path)})

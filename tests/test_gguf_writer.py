@@ -1,0 +1,37 @@
+"""The streaming expert writer: llama.cpp's layout, tensor by tensor, checksummed, all or nothing."""
+import pytest
+import torch
+
+from draftexpert.runtime.gguf_experts import ExpertFile, checksum_path, verify_checksums, write_expert_gguf
+
+META = {"n_layer": 3, "first_dense": 1, "n_expert": 4, "n_embd": 64, "n_ff_exp": 32}
+
+
+def _layers(order=(1, 2)):
+    for layer in order:
+        g = torch.Generator().manual_seed(layer)
+        yield layer, torch.randn(4, 64, 64, generator=g), torch.randn(4, 64, 32, generator=g)
+
+
+@pytest.mark.parametrize("qtype", ["f32", "f16", "bf16", "q4_0"])
+def test_streamed_file_holds_every_expert_and_its_checksums(tmp_path, qtype):
+    path = write_expert_gguf(tmp_path / "e.gguf", _layers(), META, qtype)
+    assert verify_checksums(path, full=True) is None and not list(tmp_path.glob("*.part"))
+    f = ExpertFile(path, staging_buffers=1)
+    try:
+        assert f.layers == [1, 2]
+        tol = {"f32": 0, "f16": 1e-3, "bf16": 1e-2, "q4_0": 0.3}[qtype]
+        for layer, gate_up, down in _layers():
+            for e in (0, 3):
+                gu, d = f.dequantize(f.read_expert(layer, e), "cpu", torch.float32)
+                assert torch.allclose(gu, gate_up[e], atol=tol * 4, rtol=tol) and torch.allclose(d, down[e], atol=tol * 4, rtol=tol)
+    finally:
+        f.close()
+
+
+def test_a_checkpoint_that_yields_the_wrong_layers_leaves_nothing(tmp_path):
+    for order in ((2, 1), (1,)):
+        with pytest.raises(ValueError):
+            write_expert_gguf(tmp_path / "e.gguf", _layers(order), META, "f32")
+        assert list(tmp_path.iterdir()) == []
+    assert not checksum_path(tmp_path / "e.gguf").exists()
