@@ -7,6 +7,7 @@ torch runtime (platforms resident / cg / mn) or llama.cpp (platform mn). The cel
 """
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
@@ -56,6 +57,27 @@ def _tokenizer(folder: Path):
                               "needs tokenizer.json and tokenizer_config.json beside config.json") from None
 
 
+def _draft_experts(model: str, folder: Path, file: Path | None):
+    """The draft experts a DraftExpert cell runs; says so when none are distilled and the zero
+    draft expert (= shared+top-1) stands in, unless the user asked for it (`--draft-experts zero`)."""
+    draft, meta = load_draft_experts_for(model, folder, file)
+    if draft is None and file is None:
+        from bench.artifacts import experts_dir
+
+        print(f"warning: {model} has no distilled draft experts ({experts_dir(model, folder) / 'full.safetensors'} is "
+              f"absent): DraftExpert runs the zero draft expert = shared+top-1; `bench distill --model {model}` "
+              "trains them, `--draft-experts zero` silences this", file=sys.stderr)
+    return draft, meta
+
+
+def _fits(folder: Path, store: str, device: str) -> None:
+    import json
+
+    from draftexpert.runtime.params import check_fits
+
+    check_fits(json.loads((folder / "config.json").read_text()), store, device, dtype_bytes=4)  # fp32 weights
+
+
 def _round_args(conf: SpecConfig, *drop: str) -> dict:
     return {k: v for k, v in asdict(conf).items() if k not in ("temperature", "seed", *drop)}
 
@@ -96,7 +118,7 @@ def make_llama_decoder(model: str, folder: Path, method: str, platform: str, exp
             drafter_head, used, name = target_head, spec.r, f"top-{spec.r}"
             args["r"] = spec.r
         else:
-            draft, meta = load_draft_experts_for(model, folder, spec.draft_experts)
+            draft, meta = _draft_experts(model, folder, spec.draft_experts)
             if draft is None:
                 hf = load_config(folder)
                 draft = DraftExperts.zeros(list(range(hf.first_k_dense_replace, hf.num_hidden_layers)),
@@ -150,6 +172,9 @@ def _make_torch_decoder(model, folder, method, platform, expert_type, cache_expe
 
     if staging != "demand":
         raise ValueError("--staging applies to the llama.cpp engine (the torch engine's stores stage whole experts)")
+    store = "resident" if method == "reference" else PLATFORMS[platform]
+    device = "cuda" if platform == "cg" and method != "reference" and torch.cuda.is_available() else "cpu"
+    _fits(folder, store, device)  # before anything is loaded
 
     tokenizer = _tokenizer(folder)
     if method == "reference":
@@ -163,8 +188,6 @@ def _make_torch_decoder(model, folder, method, platform, expert_type, cache_expe
     from draftexpert.engines.torch_engine import TorchEngine
     from draftexpert.runtime.loader import build_model
 
-    store = PLATFORMS[platform]
-    device = "cuda" if platform == "cg" and torch.cuda.is_available() else "cpu"
     from_file = store == "flash" or (store == "resident" and resident_from_file)
     gguf = expert_file(expert_type) if from_file else None
     target = build_model(folder, store, device=device, gguf_path=gguf, cache_experts=cache_experts,
@@ -186,7 +209,7 @@ def _make_torch_decoder(model, folder, method, platform, expert_type, cache_expe
         from draftexpert.speculation.round import SpeculativeDecoder
 
         conf = replace(spec.round, temperature=temperature, seed=seed)
-        experts, de_meta = (load_draft_experts_for(model, folder, spec.draft_experts) if method == "draftexpert"
+        experts, de_meta = (_draft_experts(model, folder, spec.draft_experts) if method == "draftexpert"
                             else (None, None))
         path = make_draft_path(target, method, r=spec.r, experts=experts)
         decoder = SpeculativeDecoder(TorchEngine(target, path, conf.draft_cache), conf)

@@ -48,3 +48,16 @@ def test_cli_params_json():
     assert p.returncode == 0, p.stderr
     s = json.loads(p.stdout)
     assert s["model"] == "ds" and round(100 * s["routed_share"], 1) == 91.6
+
+
+def test_a_model_that_cannot_fit_is_refused_before_loading(monkeypatch):
+    import pytest
+
+    from draftexpert.runtime import params
+
+    monkeypatch.setattr(params, "available_host_bytes", lambda: 64 << 30)  # the paper's CG host
+    ds = registry.config_facts("ds")
+    with pytest.raises(params.WontFit, match=r"needs 58\.5 GiB of host memory, but 64\.0 GiB"):
+        params.check_fits(ds, "host", "cpu", dtype_bytes=4)  # cg with the CPU as accelerator, fp32
+    assert params.check_fits(ds, "flash", "cpu", dtype_bytes=4)["host"] < 5 << 30  # mn: only the rest is held
+    assert params.check_fits(registry.config_facts("ds-tiny"), "resident", "cpu", dtype_bytes=4)["host"] < 1 << 30

@@ -103,3 +103,49 @@ def breakdown(cfg: dict) -> Breakdown:
             b.dense_mlp += 3 * H * cfg["intermediate_size"]
     b.vectors += H
     return b
+
+
+class WontFit(ValueError):
+    """A model that cannot be held where a platform puts it; raised before anything is loaded."""
+
+
+def available_host_bytes() -> int | None:
+    """MemAvailable (what can be allocated without swapping), or None where /proc/meminfo is absent."""
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def check_fits(cfg: dict, store: str, device: str, dtype_bytes: int) -> dict:
+    """What a lean model over `store` holds, checked against this machine before loading:
+    non-routed weights on `device`; routed experts on it too (resident), in host memory (host,
+    platform cg), or on storage (flash: only the round's staged experts are in memory). Raises
+    WontFit with the numbers and what to do instead."""
+    b = breakdown(cfg)
+    need = {"device": b.non_routed * dtype_bytes, "host": 0}
+    if store == "resident":
+        need["device"] += b.routed_experts * dtype_bytes
+    elif store == "host":
+        need["host"] = b.routed_experts * dtype_bytes
+    what = {"resident": "every weight", "host": "the routed-expert pool (platform cg)"}.get(store, "the non-routed weights")
+    if device == "cpu":  # the accelerator is the CPU: one memory holds both
+        need = {"device": 0, "host": need["device"] + need["host"]}
+        what = "every weight (the CPU is the accelerator here)" if store != "flash" else what
+    have = available_host_bytes()
+    gib = lambda n: f"{n / GIB:.1f} GiB"  # noqa: E731
+    if have is not None and need["host"] > 0.9 * have:
+        raise WontFit(f"{what} at {8 * dtype_bytes}-bit weights needs {gib(need['host'])} of host memory, "
+                      f"but {gib(have)} is available: use --platform mn (experts read from storage), or a machine "
+                      "with more memory")
+    if device != "cpu" and need["device"]:
+        import torch
+
+        free, _ = torch.cuda.mem_get_info()
+        if need["device"] > 0.9 * free:
+            raise WontFit(f"the weights kept on the GPU need {gib(need['device'])} but {gib(free)} is free: use "
+                          "--platform cg or mn (routed experts off the GPU)")
+    return need
