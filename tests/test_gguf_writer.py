@@ -35,3 +35,16 @@ def test_a_checkpoint_that_yields_the_wrong_layers_leaves_nothing(tmp_path):
             write_expert_gguf(tmp_path / "e.gguf", _layers(order), META, "f32")
         assert list(tmp_path.iterdir()) == []
     assert not checksum_path(tmp_path / "e.gguf").exists()
+
+
+def test_the_store_refuses_a_damaged_file_it_wrote(tmp_path):
+    import os
+
+    from draftexpert.runtime.gguf_experts import ExpertFileError
+
+    path = write_expert_gguf(tmp_path / "e.gguf", _layers(), META, "f32")
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) - 100)
+        f.write(b"\xff" * 8)
+    with pytest.raises(ExpertFileError, match="damaged.*bench convert"):
+        ExpertFile(path, staging_buffers=1)

@@ -237,6 +237,11 @@ class ExpertFile:
         self.path = Path(path)
         if not self.path.is_file():
             raise ExpertFileError(f"{self.path}: no such expert file (write it with `bench convert`)")
+        if checksum_path(self.path).exists():  # written by this suite: never read damaged bytes
+            problem = verify_checksums(self.path)
+            if problem:
+                raise ExpertFileError(f"{self.path} is damaged: {problem}; delete it (and its .sha256.json) and "
+                                      "rebuild it with `bench convert`")
         try:
             reader = gguf.GGUFReader(str(self.path))
         except Exception as e:  # noqa: BLE001 - gguf raises ValueError/struct.error/IndexError on damage
