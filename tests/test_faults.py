@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from bench import artifacts
+from bench.decoders import SpecOptions
 from bench.results import RecordWriter, RunFolderError, RunManifest, check_run_dir, load_results, read_records
 from draftexpert.decoding import ContextOverflow, NonFiniteLogits, sample
 from draftexpert.runtime.gguf_experts import checksum_path, verify_checksums
@@ -49,15 +50,19 @@ def _copy_with(ckpt, dest, edit):
 # ---------------------------------------------------------------- identity
 
 
-def test_other_weights_are_other_cells(tiny_checkpoint, tmp_path):
+def test_other_weights_are_other_cells(tiny_checkpoint, tmp_path, monkeypatch):
     """Records carry the weights' fingerprint in their key: a run over other weights of the same
     architecture into the same folder is decoded anew, never taken as done."""
+    from bench import prompts
+    from bench.decoders import make_decoder
+    from bench.runner import run_cells
+
+    monkeypatch.setenv("DRAFTEXPERT_CACHE", str(tmp_path / "cache"))
     other = _copy_with(tiny_checkpoint, tmp_path / "other", lambda t: t["lm_head.weight"].mul_(1.5))
     out = tmp_path / "run"
     for ckpt, written in [(tiny_checkpoint, 1), (tiny_checkpoint, 0), (other, 1)]:
-        p = run_bench(*_run(ckpt, out, "--platform", "resident", "--json"), env=_env(tmp_path))
-        assert p.returncode == 0, p.stderr
-        assert json.loads(p.stdout)["written"] == written
+        dec, tok, cfg = make_decoder("ds-tiny", ckpt, "ar", "resident", max_new_tokens=4)
+        assert run_cells(cfg, prompts.load("gsm8k", 1), dec, tok, out, log=lambda m: None)["written"] == written
     recs = read_records(out / "records.jsonl")
     assert len({r["weights"] for r in recs}) == 2 and all(len(r["weights"]) == 64 for r in recs)
 
@@ -124,15 +129,20 @@ def test_prompts_past_the_context_are_skipped_with_their_reason_or_refused(tiny_
     man = json.loads((out / "manifest.json").read_text())["sessions"][-1]
     assert man["status"] == "complete" and len(man["skipped_context"]) == 2
     # speculation reserves K_max + 1: a prompt that fits AR can overflow a speculative decoder
+    from bench import prompts
+    from bench.decoders import make_decoder
+    from bench.runner import context_overflows, run_cells
+
     n = s["skipped_context"][0]["prompt_tokens"]
     fits_ar = 2048 - n
-    p = run_bench(*_run(tiny_checkpoint, tmp_path / "spec", "--platform", "resident", "--method", "top-r", "--json",
-                        "--context-overflow", "refuse", tokens=fits_ar), env=_env(tmp_path))
-    _one_line_error(p, "K_max + 1", "--context-overflow skip")
-    assert not (tmp_path / "spec" / "records.jsonl").exists()
-    p = run_bench(*_run(tiny_checkpoint, tmp_path / "ref", "--method", "reference", "--context-overflow", "refuse",
-                        tokens=2048), env=_env(tmp_path))
-    _one_line_error(p, "exceed the model's context")
+    for method, refused in (("ar", False), ("top-r", True)):
+        dec, tok, cfg = make_decoder("ds-tiny", tiny_checkpoint, method, "resident", max_new_tokens=fits_ar)
+        found = context_overflows(prompts.load("gsm8k", 1), dec, tok, fits_ar)
+        assert bool(found) == refused
+        if refused:
+            with pytest.raises(ContextOverflow, match=r"K_max \+ 1.*--context-overflow skip"):
+                run_cells(cfg, prompts.load("gsm8k", 1), dec, tok, tmp_path / "spec", on_overflow="refuse")
+    assert not (tmp_path / "spec").exists()
 
 
 def test_every_decoder_refuses_a_sequence_past_its_context(tiny_checkpoint):
@@ -233,31 +243,31 @@ def test_ctrl_c_says_how_to_resume(tiny_checkpoint, tmp_path):
 # ---------------------------------------------------------------- inputs
 
 
-def test_bad_draft_experts_and_checkpoints_name_the_file(tiny_checkpoint, tmp_path):
+def test_bad_draft_experts_and_checkpoints_name_the_file(tiny_checkpoint, tmp_path, monkeypatch):
+    from bench.decoders import make_decoder
+
     garbage = tmp_path / "garbage.safetensors"
     garbage.write_bytes(os.urandom(4096))
     p = run_bench(*_run(tiny_checkpoint, tmp_path / "a", "--method", "draftexpert", "--draft-experts", str(garbage),
-                       "--platform", "resident"),
-                  env=_env(tmp_path))
+                        "--platform", "resident"), env=_env(tmp_path))
     _one_line_error(p, str(garbage), "not a readable safetensors file")
+
+    monkeypatch.setenv("DRAFTEXPERT_CACHE", str(tmp_path / "cache"))
     weights = tiny_checkpoint / "model.safetensors"
-    p = run_bench(*_run(tiny_checkpoint, tmp_path / "a", "--method", "draftexpert", "--draft-experts", str(weights),
-                       "--platform", "resident"),
-                  env=_env(tmp_path))
-    _one_line_error(p, "not a draft-expert checkpoint", "model weights")
+    with pytest.raises(ValueError, match="not a draft-expert checkpoint.*model weights"):
+        make_decoder("ds-tiny", tiny_checkpoint, "draftexpert", "resident", spec=SpecOptions(draft_experts=weights))
     only_config = tmp_path / "cfg"
     only_config.mkdir()
     shutil.copy(tiny_checkpoint / "config.json", only_config)
-    p = run_bench(*_run(only_config, tmp_path / "b", "--method", "reference"), env=_env(tmp_path))
-    _one_line_error(p, str(only_config), "tokenizer")
+    with pytest.raises(RuntimeError, match=f"{only_config}.*tokenizer"):
+        make_decoder("ds-tiny", only_config, "reference", "resident")
     truncated = tmp_path / "trunc"
     shutil.copytree(tiny_checkpoint, truncated)
     with open(truncated / "model.safetensors", "r+b") as f:
         f.truncate(f.seek(0, 2) // 2)
     for method in ("reference", "ar"):
-        p = run_bench(*_run(truncated, tmp_path / "c", "--method", method, *(["--platform", "cg"] if method == "ar" else [])),
-                      env=_env(tmp_path))
-        _one_line_error(p, str(truncated))
+        with pytest.raises((ValueError, RuntimeError), match=str(truncated)):
+            make_decoder("ds-tiny", truncated, method, "cg")
     assert not list((tmp_path / "cache").rglob("*.part"))
 
 
@@ -269,8 +279,12 @@ def test_bad_draft_experts_and_checkpoints_name_the_file(tiny_checkpoint, tmp_pa
     (["--method", "reference", "--temperature", "0.7"], "--temperature does not apply to --method reference"),
 ])
 def test_flags_that_do_not_apply_are_refused(tiny_checkpoint, tmp_path, args, words):
-    p = run_bench(*_run(tiny_checkpoint, tmp_path / "x", *args), env=_env(tmp_path))
-    _one_line_error(p, words)
+    from typer.testing import CliRunner
+
+    from bench.cli import app
+
+    res = CliRunner().invoke(app, _run(tiny_checkpoint, tmp_path / "x", *args))  # refused before any model loads
+    assert res.exit_code == 2 and words in res.output, res.output
     assert not (tmp_path / "x").exists()
 
 
