@@ -213,7 +213,8 @@ def regime(results_dir: Path, log, per_suite: int = REGIME_PER_SUITE, tokens: in
     """The paper's regime measured: Table 2's methods on ds-tiny under real storage read caps
     (the kernel's block-I/O throttle; root), on both engines, then the speed-up-vs-bandwidth
     figure. Skipped, with the reason, where the cap cannot be applied. `quick` (a reproduce run
-    below the default prompt count) sweeps only the extremes: the lowest cap and uncapped."""
+    below the default prompt count) sweeps only the extremes, the lowest cap and uncapped, on the
+    first two prompts."""
     import torch
 
     from bench import prompts, registry
@@ -238,7 +239,8 @@ def regime(results_dir: Path, log, per_suite: int = REGIME_PER_SUITE, tokens: in
     results, written = [], []
     for engine in ("torch", "llama.cpp"):
         tag = "-llama.cpp" if engine == "llama.cpp" else ""
-        res = compare(REGIME_MODEL, folder, "mn", prompts.load(limit=per_suite),
+        recs = prompts.load(limit=per_suite)
+        res = compare(REGIME_MODEL, folder, "mn", recs[:2] if quick else recs,
                       results_dir / "runs" / f"regime-{REGIME_MODEL}-mn{tag}", tokens,
                       SpecOptions(round=SpecConfig(k_max=4, tau=0.6, budget=24)), "q4_0",
                       lambda qt: expert_file_for(REGIME_MODEL, folder, qt, log=log), machine, log=log,
