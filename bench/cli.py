@@ -137,6 +137,75 @@ def params(model: ModelOpt = "ds",
     emit(s, as_json, text)
 
 
+def _bytes(text: str, flag: str) -> int:
+    """'64GiB' (binary), '24GB' (decimal), '512M', a plain number of bytes → bytes."""
+    import re
+
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*(?:([KMGT])(i?)B?|B?)\s*", text, re.IGNORECASE)
+    if not m:
+        fail(f"{flag}: {text!r} is not a size (e.g. 64GiB, 24GB)")
+    power = "KMGT".find(m.group(2).upper()) + 1 if m.group(2) else 0
+    return int(float(m.group(1)) * (1024 if m.group(3) else 1000) ** power)
+
+
+@app.command()
+def plan(model: ModelOpt = "ds", model_path: ModelPathOpt = None, platform: PlatformOpt = "cg",
+         method: Annotated[str, typer.Option("--method", help="ar (one position a round) | top-r | draftexpert "
+                                             "(K_max + 1 positions)")] = "draftexpert",
+         k_max: KMaxOpt = 4, expert_type: ExpertTypeOpt = "q4_0",
+         cuda: Annotated[bool | None, typer.Option("--cuda/--cpu", help="The accelerator (default: cg → a CUDA "
+                                                   "GPU, else the CPU).")] = None,
+         host_mem: Annotated[str | None, typer.Option("--host-mem", help="Host memory to plan for, e.g. 64GiB "
+                                                      "(default: this machine's available).")] = None,
+         gpu_mem: Annotated[str | None, typer.Option("--gpu-mem", help="GPU memory, e.g. 24GiB (default: the "
+                                                     "GPU's free memory when there is one).")] = None,
+         as_json: JsonOpt = False):
+    """Where a model's bytes go on a platform, from its config alone (no weights needed), as the
+    runtime holds them today, and whether that fits; `bench run` checks the same plan before
+    loading. Exit 1 when it does not fit."""
+    from draftexpert.runtime.params import GIB, WontFit, available_host_bytes, check_fits, plan as make_plan
+
+    check_model(model)
+    if platform not in ("mn", "cg", "resident"):
+        fail(f"--platform: {platform!r} is not one of mn, cg, resident")
+    try:
+        cfg = registry.config_facts(model, model_path)
+    except registry.ModelNotFound as e:
+        fail(str(e))
+    cuda = platform == "cg" if cuda is None else cuda
+    p = make_plan(cfg, platform, cuda, dtype_bytes=4, expert_type=expert_type,
+                  positions=1 if method == "ar" else k_max + 1)
+    host = _bytes(host_mem, "--host-mem") if host_mem else available_host_bytes()
+    gpu = _bytes(gpu_mem, "--gpu-mem") if gpu_mem else None
+    if cuda and gpu is None:
+        try:
+            import torch
+
+            gpu = torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else None
+        except ImportError:
+            gpu = None
+    p.update(model=model, method=method, host_available=host, accelerator_available=gpu)
+    try:
+        p["warning"], p["fits"] = check_fits(p, host, gpu if cuda else None), True
+    except WontFit as e:
+        p["warning"], p["fits"] = str(e), False
+    g = lambda n: f"{n / GIB:8.2f} GiB"  # noqa: E731
+    rows = [("accelerator: weights", p["accelerator_weights"]), ("accelerator: KV cache (2048 positions)", p["kv_cache"]),
+            ("a round's staged experts (worst)", p["working_set"]), ("  … one position", p["working_set_one_position"]),
+            ("host: routed pool (cg)", p["host_pool"]), ("host: pinned for it (CUDA)", p["host_pinned"]),
+            ("host: pageable copy while pinning", p["host_pageable_at_load"]), ("storage: expert file (mn)", p["storage"]),
+            ("conversion peak (one layer)", p["conversion_peak"]),
+            ("= host memory, worst / least", p["host"]), ("", p["host_least"]),
+            ("= accelerator memory, worst / least", p["accelerator"]), ("", p["accelerator_least"])]
+    text = (f"{model} on {platform} ({'CUDA GPU' if cuda else 'CPU as the accelerator'}), {method}, fp32 weights:\n"
+            + "\n".join(f"  {k:40s}{g(v)}" for k, v in rows if k or v)
+            + f"\n  available: host {g(host) if host else '?'}" + (f", GPU {g(gpu)}" if cuda and gpu else "")
+            + f"\n{'fits' if p['fits'] else 'does not fit'}" + (f": {p['warning']}" if p["warning"] else ""))
+    emit(p, as_json, text)
+    if not p["fits"]:
+        raise typer.Exit(1)
+
+
 @app.command()
 def env(path: Annotated[Path, typer.Option("--path", help="Folder whose storage is measured.")] = Path("."),
         block_size: Annotated[int, typer.Option("--block-size", help="Bytes per O_DIRECT read.")] = 1 << 20,

@@ -70,12 +70,22 @@ def _draft_experts(model: str, folder: Path, file: Path | None):
     return draft, meta
 
 
-def _fits(folder: Path, store: str, device: str) -> None:
+def _fits(folder: Path, platform: str, cuda: bool, expert_type: str, positions: int) -> None:
+    """The memory plan checked against this machine before anything is loaded."""
     import json
 
-    from draftexpert.runtime.params import check_fits
+    from draftexpert.runtime.params import available_host_bytes, check_fits, plan
 
-    check_fits(json.loads((folder / "config.json").read_text()), store, device, dtype_bytes=4)  # fp32 weights
+    p = plan(json.loads((folder / "config.json").read_text()), platform, cuda, dtype_bytes=4,  # fp32 weights
+             expert_type=expert_type, positions=positions)
+    free = None
+    if cuda:
+        import torch
+
+        free = torch.cuda.mem_get_info()[0]
+    warning = check_fits(p, available_host_bytes(), free)
+    if warning:
+        print(f"warning: {warning}", file=sys.stderr)
 
 
 def _round_args(conf: SpecConfig, *drop: str) -> dict:
@@ -174,7 +184,8 @@ def _make_torch_decoder(model, folder, method, platform, expert_type, cache_expe
         raise ValueError("--staging applies to the llama.cpp engine (the torch engine's stores stage whole experts)")
     store = "resident" if method == "reference" else PLATFORMS[platform]
     device = "cuda" if platform == "cg" and method != "reference" and torch.cuda.is_available() else "cpu"
-    _fits(folder, store, device)  # before anything is loaded
+    _fits(folder, "resident" if method == "reference" else platform, device == "cuda", expert_type,
+          1 if method in ("ar", "reference") else spec.round.k_max + 1)  # before anything is loaded
 
     tokenizer = _tokenizer(folder)
     if method == "reference":

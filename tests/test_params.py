@@ -50,14 +50,40 @@ def test_cli_params_json():
     assert s["model"] == "ds" and round(100 * s["routed_share"], 1) == 91.6
 
 
-def test_a_model_that_cannot_fit_is_refused_before_loading(monkeypatch):
+def test_the_memory_plan_and_the_refusal_before_loading():
     import pytest
 
     from draftexpert.runtime import params
 
-    monkeypatch.setattr(params, "available_host_bytes", lambda: 64 << 30)  # the paper's CG host
     ds = registry.config_facts("ds")
-    with pytest.raises(params.WontFit, match=r"needs 58\.5 GiB of host memory, but 64\.0 GiB"):
-        params.check_fits(ds, "host", "cpu", dtype_bytes=4)  # cg with the CPU as accelerator, fp32
-    assert params.check_fits(ds, "flash", "cpu", dtype_bytes=4)["host"] < 5 << 30  # mn: only the rest is held
-    assert params.check_fits(registry.config_facts("ds-tiny"), "resident", "cpu", dtype_bytes=4)["host"] < 1 << 30
+    gib = 1 << 30
+    cg = params.plan(ds, "cg", cuda=True)  # today's runtime: fp32 weights
+    assert cg["host_pool"] == 26 * 64 * 3 * 2048 * 1408 * 4  # 53.6 GiB, the issue's number
+    assert cg["host_pinned"] == 26 * (2048 + 1024) * (1 << 20)  # 1408 / 704 MiB tensors round up to 2048 / 1024
+    with pytest.raises(params.WontFit, match=r"need .* GiB of host memory, but 64\.0 GiB"):
+        params.check_fits(cg, 64 * gib, 24 * gib)
+    ar = params.plan(ds, "mn", cuda=False, expert_type="q4_0", positions=1)
+    assert abs(ar["storage"] / gib - 7.54) < 0.01  # Fig. 1a's Q4_0 pool
+    assert 9 * gib < ar["host"] < 11 * gib  # the issue measured AR on mn at a 10.1 GiB peak
+    assert params.check_fits(ar, 24 * gib) is None
+    spec = params.plan(ds, "mn", cuda=False, expert_type="q4_0", positions=5)  # K_max = 4, no bound on the round yet
+    assert "lower --k-max" in params.check_fits(spec, 24 * gib)
+    assert params.plan(ds, "cg", cuda=False)["host"] > 58 * gib  # the CPU as accelerator holds everything
+    tiny = params.plan(registry.config_facts("ds-tiny"), "resident", cuda=False)
+    params.check_fits(tiny, 1 * gib)
+
+
+def test_bench_plan_reads_the_config_alone_and_exits_1_when_it_does_not_fit():
+    from typer.testing import CliRunner
+
+    from bench.cli import app
+
+    r = CliRunner().invoke(app, ["plan", "--model", "ds", "--platform", "mn", "--method", "ar", "--host-mem", "24GiB",
+                                 "--json"])
+    p = json.loads(r.output)
+    assert r.exit_code == 0 and p["fits"] and p["host_available"] == 24 << 30 and p["storage"] > 0
+    # today's cg path (fp32 pool, pinned in power-of-two blocks, the pageable copy kept) does not fit the paper's host
+    r = CliRunner().invoke(app, ["plan", "--model", "ds", "--platform", "cg", "--host-mem", "64GiB", "--gpu-mem", "24GiB"])
+    assert r.exit_code == 1 and "does not fit" in r.output and "64.0 GiB is available" in r.output
+    r = CliRunner().invoke(app, ["plan", "--model", "ds", "--host-mem", "lots"])
+    assert r.exit_code == 2 and "--host-mem" in r.output

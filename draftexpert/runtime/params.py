@@ -120,32 +120,73 @@ def available_host_bytes() -> int | None:
     return None
 
 
-def check_fits(cfg: dict, store: str, device: str, dtype_bytes: int) -> dict:
-    """What a lean model over `store` holds, checked against this machine before loading:
-    non-routed weights on `device`; routed experts on it too (resident), in host memory (host,
-    platform cg), or on storage (flash: only the round's staged experts are in memory). Raises
-    WontFit with the numbers and what to do instead."""
-    b = breakdown(cfg)
-    need = {"device": b.non_routed * dtype_bytes, "host": 0}
-    if store == "resident":
-        need["device"] += b.routed_experts * dtype_bytes
-    elif store == "host":
-        need["host"] = b.routed_experts * dtype_bytes
-    what = {"resident": "every weight", "host": "the routed-expert pool (platform cg)"}.get(store, "the non-routed weights")
-    if device == "cpu":  # the accelerator is the CPU: one memory holds both
-        need = {"device": 0, "host": need["device"] + need["host"]}
-        what = "every weight (the CPU is the accelerator here)" if store != "flash" else what
-    have = available_host_bytes()
-    gib = lambda n: f"{n / GIB:.1f} GiB"  # noqa: E731
-    if have is not None and need["host"] > 0.9 * have:
-        raise WontFit(f"{what} at {8 * dtype_bytes}-bit weights needs {gib(need['host'])} of host memory, "
-                      f"but {gib(have)} is available: use --platform mn (experts read from storage), or a machine "
-                      "with more memory")
-    if device != "cpu" and need["device"]:
-        import torch
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
 
-        free, _ = torch.cuda.mem_get_info()
-        if need["device"] > 0.9 * free:
-            raise WontFit(f"the weights kept on the GPU need {gib(need['device'])} but {gib(free)} is free: use "
-                          "--platform cg or mn (routed experts off the GPU)")
-    return need
+
+STORES = {"mn": "flash", "cg": "host", "resident": "resident"}
+EXPERT_FILE_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "q4_0": Q4_0_BYTES_PER_WEIGHT}
+
+
+def plan(cfg: dict, platform: str, cuda: bool, dtype_bytes: int = 4, expert_type: str = "q4_0", positions: int = 5,
+         context: int = 2048) -> dict:
+    """Where a lean model's bytes go on `platform`, from the config alone, as the runtime holds
+    them today (`build_model`: weights in `dtype_bytes`, fp32 = 4). Keys, in bytes:
+      accelerator_weights  non-routed weights (+ every routed expert when resident)
+      kv_cache             MLA cache for `context` positions (c_kv and k_pe per layer)
+      working_set          experts a cold round may stage at once: `positions` (AR 1, speculation
+                           K_max + 1) × top-k per MoE layer (at most every expert), dequantised
+                           to `dtype_bytes` — the round keeps them until it ends (not yet bounded)
+      host_pool            cg: the routed pool in host memory; `host_pinned` what pinning it
+                           allocates on CUDA (PyTorch's pinned allocator rounds each tensor —
+                           one gate_up and one down per layer — up to a power of two), and
+                           `host_pageable_at_load` the pageable copy the loader holds while pinning
+      storage              mn: the expert file (`expert_type`); resident / cg: none
+      conversion_peak      writing the expert file (streamed): about 1.5 × one layer in fp32 (the
+                           layer as read, one part's copy) plus its encoding — an estimate
+                           (DS-shaped layers measured 3.8 GiB Q4_0, 4.2 GiB bf16 peak RSS)
+    `host` / `accelerator` sum what each memory holds (one memory when the CPU is the accelerator)."""
+    b = breakdown(cfg)
+    H, I, E = cfg["hidden_size"], cfg["moe_intermediate_size"], cfg.get("n_routed_experts") or 0
+    k, L = cfg.get("num_experts_per_tok") or 0, cfg["num_hidden_layers"]
+    moe_layers = [i for i in range(L) if is_moe_layer(cfg, i)]
+    expert = 3 * H * I
+    p = {"platform": platform, "store": STORES[platform], "cuda": cuda, "dtype_bytes": dtype_bytes,
+         "accelerator_weights": (b.non_routed + (b.routed_experts if platform == "resident" else 0)) * dtype_bytes,
+         "kv_cache": L * context * (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * dtype_bytes,
+         "working_set": 0 if platform == "resident" else len(moe_layers) * min(E, positions * k) * expert * dtype_bytes,
+         "working_set_one_position": 0 if platform == "resident" else len(moe_layers) * min(E, k) * expert * dtype_bytes,
+         "host_pool": 0, "host_pinned": 0, "host_pageable_at_load": 0, "storage": 0,
+         "conversion_peak": 0}
+    if platform == "cg":
+        gate_up, down = E * 2 * I * H * dtype_bytes, E * H * I * dtype_bytes
+        p["host_pool"] = len(moe_layers) * (gate_up + down)
+        p["host_pinned"] = len(moe_layers) * (_pow2(gate_up) + _pow2(down)) if cuda else 0
+        p["host_pageable_at_load"] = p["host_pool"] if cuda else 0
+    if platform == "mn":
+        p["storage"] = int(b.routed_experts * EXPERT_FILE_BYTES[expert_type])
+        p["conversion_peak"] = int(E * expert * (1.5 * 4 + EXPERT_FILE_BYTES[expert_type]))
+    for suffix, ws in (("", p["working_set"]), ("_least", p["working_set_one_position"])):
+        device = p["accelerator_weights"] + p["kv_cache"] + ws
+        host = (p["host_pinned"] + p["host_pageable_at_load"]) if cuda else p["host_pool"]
+        p["accelerator" + suffix], p["host" + suffix] = (device, host) if cuda else (0, host + device)
+    return p
+
+
+def check_fits(p: dict, host_bytes: int | None, accelerator_bytes: int | None = None, headroom: float = 0.9) -> str | None:
+    """Refuse a plan (`plan`) whose least need (a round that stages one position's experts) does
+    not fit the given memories, with the numbers and what to do; return a warning when only its
+    worst case (every position of a round staging new experts) does not."""
+    gib = lambda n: f"{n / GIB:.1f} GiB"  # noqa: E731
+    what = {"resident": "every weight", "host": "the routed-expert pool (platform cg) and the rest",
+            "flash": "the non-routed weights and a round's staged experts"}[p["store"]]
+    for mem, have, hint in (("host", host_bytes, "use --platform mn (experts read from storage), or a machine with "
+                             "more memory"), ("accelerator", accelerator_bytes, "use --platform cg or mn")):
+        if have is not None and p[mem + "_least"] > headroom * have:
+            raise WontFit(f"{what} at {8 * p['dtype_bytes']}-bit weights need {gib(p[mem + '_least'])} of {mem} "
+                          f"memory, but {gib(have)} is available: {hint} (`bench plan` shows where the bytes go)")
+    for mem, have in (("host", host_bytes), ("accelerator", accelerator_bytes)):
+        if have is not None and p[mem] > headroom * have:
+            return (f"a round that stages new experts at every position may need {gib(p[mem])} of {mem} memory "
+                    f"({gib(have)} available): truncation (the default) or a lower --k-max keeps it smaller")
+    return None
