@@ -227,7 +227,7 @@ def test_a_run_writes_nothing_but_its_records_and_manifest(tiny_checkpoint, tmp_
 def test_ctrl_c_says_how_to_resume(tiny_checkpoint, tmp_path):
     out = tmp_path / "run"
     proc = subprocess.Popen([*BENCH, *_run(tiny_checkpoint, out, "--platform", "resident", "--suite", "chat",
-                                           limit=30, tokens=16)],
+                                           limit=30, tokens=256)],  # 60 prompts: seconds of work after the first
                             cwd=REPO, env=os.environ | _env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
     deadline = time.time() + 120
