@@ -109,6 +109,27 @@ def spec_compare(results_dir: Path, log, per_suite: int = FIG1B_PER_SUITE, token
     return written
 
 
+def fig2(results_dir: Path, log) -> list[str]:
+    """Fig. 2 from the torch-engine comparisons `spec_compare` wrote (results/spec_compare_*_mn.json)."""
+    from paper_figs import fig2 as render
+
+    per_model, runs = {}, []
+    for model in ("ds-tiny", "ml-tiny"):
+        path = results_dir / f"spec_compare_{model}_mn.json"
+        res = json.loads(path.read_text())
+        per_model[model] = render.points(res)
+        runs.append(f"results/runs/compare-{model}-mn")
+    machine = json.loads((results_dir / "machine.json").read_text()).get("machine_id", "?") \
+        if (results_dir / "machine.json").exists() else "?"
+    (results_dir / "fig2_tradeoff.md").write_text(
+        "Fig. 2 from Table 2/3's runs on mn (torch engine, Q4_0, cold, K = 4, fixed-K top-r without prefetch; "
+        f"DraftExpert with truncation and prefetch), {', '.join(runs)}; the paper's values beside ours.\n\n"
+        + "\n".join(f"### {m}\n\n" + render.table(p) for m, p in per_model.items()))
+    figs = render.figure(per_model, results_dir / "figures" / "fig2_tradeoff", f"{', '.join(runs)}; machine {machine}")
+    log("Fig. 2 written")
+    return ["results/fig2_tradeoff.md", *[str(p.relative_to(results_dir.parent)) for p in figs]]
+
+
 def crosscheck(results_dir: Path, log, per_suite: int | None = None, tokens: int = 32) -> list[str]:
     """llama.cpp (f32) vs the torch engine on every prompt of the suites: tokens and expert sets."""
     import torch
@@ -325,6 +346,7 @@ def reproduce(results_dir: Path, log=lambda m: print(m, file=sys.stderr), per_su
         done += fig1b_runs(results_dir, log, per_suite, tokens)
         log("Tables 2/3 (mn rows): AR vs shared+top-r vs DraftExpert, ds-tiny and ml-tiny")
         done += spec_compare(results_dir, log, per_suite, tokens)
+        done += fig2(results_dir, log)
         from draftexpert.engines.llamacpp import LlamaCppError, require_llama_cpp
 
         try:
