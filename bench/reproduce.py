@@ -130,6 +130,18 @@ def fig2(results_dir: Path, log) -> list[str]:
     return ["results/fig2_tradeoff.md", *[str(p.relative_to(results_dir.parent)) for p in figs]]
 
 
+def table1(results_dir: Path, log) -> list[str]:
+    """Table 1 from the machine records of every run under results/runs, the paper's two platforms beside."""
+    from paper_figs import table1 as render
+
+    manifests = [json.loads(p.read_text()) for p in sorted((results_dir / "runs").rglob("manifest.json"))]
+    (results_dir / "table1_platforms.md").write_text(
+        f"Table 1 from the machine records of {len(manifests)} runs under results/runs (one column per platform "
+        "measured), the paper's two platforms beside them.\n\n" + render.table(render.columns(manifests)))
+    log("Table 1 written")
+    return ["results/table1_platforms.md"]
+
+
 def crosscheck(results_dir: Path, log, per_suite: int | None = None, tokens: int = 32) -> list[str]:
     """llama.cpp (f32) vs the torch engine on every prompt of the suites: tokens and expert sets."""
     import torch
@@ -371,6 +383,7 @@ def reproduce(results_dir: Path, log=lambda m: print(m, file=sys.stderr), per_su
                        quick=per_suite < FIG1B_PER_SUITE)
         log("Table 5: draft-expert ablation (bench distill-eval) for the tiny models")
         done += table5(results_dir, log, per_suite, tokens)
+        done += table1(results_dir, log)
     else:
         log(f"Fig. 1b skipped: {FIG1B_MODEL} is not present")
     for item, needs in PENDING:

@@ -38,6 +38,7 @@ def test_reproduce_writes_fig1a_and_lists_pending(tmp_path):
         assert all(spec["tokens_equal_ar"].values()) and spec["methods"]["top-1"]["acceptance"] is not None
         assert spec["methods"]["draftexpert"]["method_args"]["draft_experts"]["preset"] == "full"
         assert f"### {model}" in (tmp_path / "fig2_tradeoff.md").read_text()
+        assert "| MN (paper) |" in (tmp_path / "table1_platforms.md").read_text()
         f3 = (tmp_path / f"fig3_{model}_mn.md").read_text()
         assert "| top-1 |" in f3 and "| draftexpert |" in f3 and (tmp_path / "figures" / f"fig3_{model}.png").exists()
         t4 = json.loads((tmp_path / f"table4_{model}_mn.json").read_text())
