@@ -129,12 +129,19 @@ def distill_eval(model: str, folder: Path, presets: list[str], prompts: list[dic
 
 
 def table(result: dict) -> str:
-    lines = ["| preset | KL(target‖draft) | token agreement | router agreement | α at K=4 | prefetch hit | steps | tokens | train s |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    """Table 5, with the paper's KL / acceptance / router agreement / prefetch hit for the real model
+    of the same routing (`paper_figs.paper.TABLE5`) beside each row."""
+    from paper_figs import paper
+
+    ref = paper.TABLE5.get(paper.real(result.get("model", "")), {})
+    lines = ["| preset | KL(target‖draft) | token agreement | router agreement | α at K=4 | prefetch hit | steps | tokens "
+             "| train s | paper KL / α / router / hit |", "|---|---|---|---|---|---|---|---|---|---|"]
     for p, r in result["presets"].items():
+        q = ref.get(p)
         lines.append(f"| {p} | {r['kl']:.4f} | {r['token_agreement']:.3f} | {r['router_agreement']:.3f} | "
                      f"{r['acceptance_k4']:.3f} | {r['prefetch_hit_rate']:.3f} | {r['steps']} | {r['tokens']:,} | "
-                     f"{r['train_seconds']:.0f} |")
+                     f"{r['train_seconds']:.0f} | " + (f"{q[0]:.2f} / {q[1]:.3f} / {q[2]:.2f} / {q[3]:.2f}" if q else "–")
+                     + " |")
     return "\n".join(lines)
 
 

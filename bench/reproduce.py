@@ -185,6 +185,7 @@ def table4(results_dir: Path, log, per_suite: int = FIG1B_PER_SUITE, tokens: int
 
 def fig3(results_dir: Path, log, per_suite: int = FIG1B_PER_SUITE, tokens: int = FIG1B_TOKENS) -> list[str]:
     """Fig. 3 on mn: each drafter's cumulative unique layer-experts vs draft length (K = 8, fixed)."""
+    from bench import registry
     from paper_figs import fig3 as render
 
     written = []
@@ -196,7 +197,11 @@ def fig3(results_dir: Path, log, per_suite: int = FIG1B_PER_SUITE, tokens: int =
             f"{model}: drafter's cumulative unique routed layer-experts vs draft length j (K = 8 fixed, greedy, "
             f"{per_suite} prompts per suite, {tokens} new tokens; tokens equal AR: "
             f"{all(res['tokens_equal_ar'].values())}).\n\n" + render.table(curves))
-        figs = render.figure(curves, results_dir / "figures" / f"fig3_{model}", f"{model}: draft-side unique experts vs length")
+        cfg = json.loads((registry.resolve(model) / "config.json").read_text())
+        moe = cfg["num_hidden_layers"] - cfg["first_k_dense_replace"]
+        figs = render.figure(curves, results_dir / "figures" / f"fig3_{model}",
+                             f"{model}: draft-side unique experts vs length (results/runs/compare-{model}-mn)",
+                             paper_at_k4=render.paper_points(model, moe))
         written += [f"results/fig3_{model}_mn.md", *[str(p.relative_to(results_dir.parent)) for p in figs]]
     return written
 

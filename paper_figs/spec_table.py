@@ -1,8 +1,23 @@
 """Tables 2 / 3 / 4 (speculative methods): one row per method, formatted from the rows
 `bench compare` derives from the records (`draftexpert.metrics.aggregate` / `relative`: every
-formula is there); nothing here computes a figure or runs a model.
+formula is there), with the paper's values for the real model of the same routing beside ours
+(`paper_figs.paper`); nothing here computes a figure or runs a model.
 """
 from __future__ import annotations
+
+from paper_figs import paper
+
+
+def _paper_cells(result: dict, label: str) -> list[str]:
+    """paper α (Table 3, K = 4) and paper ×AR (Table 2: AR, DraftExpert; the resident reference
+    of Table 1 for DS on MN) for a row, '–' where the paper has none."""
+    m, plat = paper.real(result.get("model", "")), result.get("platform")
+    t3 = paper.TABLE3.get(m, {}).get(label)
+    t2 = paper.TABLE2.get((m, plat))
+    x = {"ar": 1.0, "draftexpert": t2["speedup"]}.get(label) if t2 else None
+    if label == "ar-resident" and (m, plat) == ("ds", "mn"):
+        x = paper.RESIDENT_MN_DS_TPS / t2["ar"]
+    return [f"{t3[1]:.3f}" if t3 else "–", f"{x:.2f}" if x is not None else "–"]
 
 
 def table(result: dict) -> str:
@@ -12,10 +27,19 @@ def table(result: dict) -> str:
             ("mib_per_token", "MiB/tok", "{:.2f}"), ("prefetch_hit_rate", "hit", "{:.2f}"),
             ("prefetch_waste_rate", "waste", "{:.2f}"), ("loading_share", "load share", "{:.2f}"),
             ("physical_limit_tps", "limit TPS", "{:.1f}")]
-    lines = ["| method | " + " | ".join(c[1] for c in cols) + " |", "|---" * (len(cols) + 1) + "|"]
+    m = paper.real(result.get("model", ""))
+    lines = ["| method | " + " | ".join(c[1] for c in cols) + f" | paper α | paper ×AR |",
+             "|---" * (len(cols) + 3) + "|"]
     for label, row in result["methods"].items():
         cells = [fmt.format(row[k]) if row.get(k) is not None else "–" for k, _, fmt in cols]
-        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+        lines.append(f"| {label} | " + " | ".join(cells + _paper_cells(result, label)) + " |")
+    t2 = paper.TABLE2.get((m, result.get("platform")))
+    if t2:
+        lines.append(f"\npaper ({m.upper()}, {result.get('platform').upper()}; Table 2): AR {t2['ar']:.2f} TPS, best "
+                     f"shared+top-r {t2['top-r']:.2f} ({t2['top-r'] / t2['ar']:.2f}×AR), DraftExpert {t2['draftexpert']:.2f} "
+                     f"({t2['speedup']:.2f}×)" + (f", resident AR {paper.RESIDENT_MN_DS_TPS:.2f}"
+                                                  if (m, result.get("platform")) == ("ds", "mn") else "")
+                     + "; paper α: Table 3 at K = 4.")
     return "\n".join(lines)
 
 
@@ -24,10 +48,15 @@ def table4(result: dict) -> str:
     cols = [("verify_cost_x_ar", "verify cost ×AR", "{:.2f}"), ("mean_accepted_length", "τ", "{:.2f}"),
             ("verify_unique_per_round", "verify uniq", "{:.1f}"), ("prefetch_hit_rate", "hit", "{:.2f}"),
             ("prefetch_waste_rate", "waste", "{:.2f}"), ("decode_tps", "TPS", "{:.2f}"), ("speedup", "×AR", "{:.2f}")]
-    lines = ["| policy | " + " | ".join(c[1] for c in cols) + " |", "|---" * (len(cols) + 1) + "|"]
+    t4 = paper.TABLE4.get(paper.real(result.get("model", "")), {})
+    plat = 1 if result.get("platform") == "mn" else 0
+    lines = ["| policy | " + " | ".join(c[1] for c in cols) + f" | paper cost ×AR ({result.get('platform', '?').upper()}) "
+             "| paper hit / waste |", "|---" * (len(cols) + 3) + "|"]
     for label, row in result["methods"].items():
         if label == "ar":
             continue
         cells = [fmt.format(row[k]) if row.get(k) is not None else "–" for k, _, fmt in cols]
+        p = t4.get(label)
+        cells += [f"{p[plat]:.2f}" if p else "–", f"{p[2][0]:.2f} / {p[2][1]:.2f}" if p and p[2] else "–"]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join(lines)

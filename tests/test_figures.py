@@ -1,0 +1,56 @@
+"""Figures and tables from small fixtures: Fig. 2, Fig. 3 with the paper's points, the paper's values in Tables 2–5."""
+import pytest
+
+from paper_figs import fig2
+
+
+def _comparison():
+    row = lambda a, d: {"acceptance": a, "draft_forward_s": d}  # noqa: E731
+    return {"methods": {"ar": {"ar_forward_s": 0.010}, "top-1": row(0.4, 0.002), "top-2": row(0.5, 0.004),
+                        "top-3": row(0.6, 0.005), "draftexpert": row(0.8, 0.0025)}}
+
+
+def test_points_table_and_figure(tmp_path):
+    p = fig2.points(_comparison())
+    assert p["top-1"] == {"acceptance": 0.4, "draft_latency_x_top1": 1.0, "speedup_over_target": 5.0}
+    assert p["top-3"]["draft_latency_x_top1"] == 2.5 and p["draftexpert"]["speedup_over_target"] == 4.0
+    t = fig2.table(p)
+    assert "| top-2 | 50% | 31% | 2.00× | 2.50× | 2.7× |" in t and "| draftexpert | 80% | — |" in t
+    png = [f for f in fig2.figure({"fixture": p}, tmp_path / "fig2", "fixture records") if f.suffix == ".png"]
+    assert png and png[0].stat().st_size > 10_000
+
+
+def test_a_missing_row_or_column_is_named():
+    c = _comparison()
+    del c["methods"]["top-2"]
+    with pytest.raises(ValueError, match="top-2"):
+        fig2.points(c)
+    c = _comparison()
+    del c["methods"]["top-3"]["draft_forward_s"]
+    with pytest.raises(ValueError, match="'top-3' lacks column.*draft_forward_s"):
+        fig2.points(c)
+
+
+def test_fig3_draws_the_papers_points_scaled_to_the_models_layers(tmp_path):
+    from paper_figs import fig3
+
+    pts = fig3.paper_points("ds-tiny", moe_layers=5)
+    assert abs(pts["top-1"] - 84 * 5 / 26) < 1e-9 and set(pts) == {"top-1", "top-2", "top-3", "draftexpert"}
+    curves = {"top-1": [5.0, 9.5, 13.5, 17.2], "draftexpert": [5.0, 9.6, 13.4, 16.9]}
+    png = [f for f in fig3.figure(curves, tmp_path / "f3", "fixture", paper_at_k4=pts) if f.suffix == ".png"]
+    assert png[0].stat().st_size > 10_000
+
+
+def test_tables_print_the_papers_values_beside_ours():
+    from bench.distill import table as table5
+    from paper_figs.spec_table import table, table4
+
+    row = {"decode_tps": 10.0, "speedup": 1.0, "acceptance": 0.5}
+    t2 = table({"model": "ds-tiny", "platform": "mn", "methods": {"ar": row, "top-1": row, "draftexpert": row}})
+    assert "| paper α | paper ×AR |" in t2 and "| 0.225 | – |" in t2 and "| 0.850 | 1.52 |" in t2
+    assert "AR 10.18 TPS" in t2 and "resident AR 14.36" in t2
+    t4 = table4({"model": "ml-tiny", "platform": "mn", "methods": {"conf-exp-prefetch": {"verify_cost_x_ar": 1.1}}})
+    assert "| 1.40 | 0.86 / 0.14 |" in t4
+    r5 = {"kl": 0.1, "token_agreement": 0.9, "router_agreement": 0.9, "acceptance_k4": 0.8, "prefetch_hit_rate": 0.9,
+          "steps": 1, "tokens": 1, "train_seconds": 1}
+    assert "0.07 / 0.870 / 0.86 / 0.88" in table5({"model": "ds-tiny", "presets": {"full": r5}})
