@@ -18,12 +18,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from paper_figs.output import save  # noqa: E402
+from paper_figs.paper import FIG2 as PAPER  # noqa: E402
 
 DRAFTERS = ("top-1", "top-2", "top-3")
-# The paper (Fig. 2 and its text): acceptance 22 → 31 → 42 %, draft speed-up over the target 4.7× → 2.7× → 2.0×.
-PAPER = {"top-1": {"acceptance": 0.22, "speedup_over_target": 4.7},
-         "top-2": {"acceptance": 0.31, "speedup_over_target": 2.7},
-         "top-3": {"acceptance": 0.42, "speedup_over_target": 2.0}}
 NEEDED = ("acceptance", "draft_forward_s")
 
 

@@ -6,6 +6,11 @@ from __future__ import annotations
 REAL = {"ds-tiny": "ds", "ml-tiny": "ml", "ds": "ds", "ml": "ml"}
 MOE_LAYERS = 26  # DS and ML: 27 layers, the first dense
 
+# Fig. 2 and its text (DS): acceptance 22 → 31 → 42 %, the drafter's speed-up over the target 4.7 → 2.7 → 2.0×.
+FIG2 = {"top-1": {"acceptance": 0.22, "speedup_over_target": 4.7},
+        "top-2": {"acceptance": 0.31, "speedup_over_target": 2.7},
+        "top-3": {"acceptance": 0.42, "speedup_over_target": 2.0}}
+
 # Table 2: decode TPS of AR offload, the best shared+top-r, DraftExpert; DraftExpert's speed-up.
 TABLE2 = {("ds", "cg"): {"ar": 2.19, "top-r": 1.19, "draftexpert": 2.99, "speedup": 1.36},
           ("ds", "mn"): {"ar": 10.18, "top-r": 4.80, "draftexpert": 15.47, "speedup": 1.52},
