@@ -229,7 +229,8 @@ def test_ctrl_c_says_how_to_resume(tiny_checkpoint, tmp_path):
     proc = subprocess.Popen([*BENCH, *_run(tiny_checkpoint, out, "--platform", "resident", "--suite", "chat",
                                            limit=30, tokens=256)],  # 60 prompts: seconds of work after the first
                             cwd=REPO, env=os.environ | _env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+                            text=True,  # a background job inherits SIGINT ignored: give the child the default back
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.time() + 120
     while time.time() < deadline and len(read_records(out / "records.jsonl")) < 1:
         time.sleep(0.05)
