@@ -746,6 +746,27 @@ def speed_flash(model: ModelOpt = "ds-tiny", model_path: ModelPathOpt = None,
          f"{r.get('read_efficiency', float('nan')):.0%} (reads), {r.get('load_efficiency', float('nan')):.0%} (load)")
 
 
+@speed_app.command("convert")
+def speed_convert(model: ModelOpt = "ds",
+                  layers: Annotated[int, typer.Option("--layers", min=1, help="Random MoE layers to write.")] = 2,
+                  qtype: Annotated[str, typer.Option("--type", help="f32 | f16 | bf16 | q4_0")] = "bf16",
+                  folder: Annotated[Path, typer.Option("--dir", help="Where the temporary file is written.")] = Path("/tmp"),
+                  as_json: JsonOpt = False):
+    """Peak memory of the streaming expert-file writer on random layers of a model's expert shapes
+    (config only: no weights needed); the file is deleted."""
+    from bench import speed
+    from draftexpert.runtime.gguf_experts import TYPES
+
+    check_model(model)
+    if qtype not in TYPES:
+        fail(f"--type: {qtype!r} is not one of {', '.join(TYPES)}")
+    r = speed.convert_memory(registry.config_facts(model), layers, qtype, folder, log=log)
+    r["model"] = model
+    emit(r, as_json, f"{model}: {layers} layer(s) of {qtype} experts, {r['file_bytes'] / 2**30:.2f} GiB file in "
+         f"{r['seconds']:.0f} s; peak RSS {r['peak_rss_bytes'] / 2**30:.2f} GiB (one layer in fp32: "
+         f"{r['layer_fp32_bytes'] / 2**30:.2f} GiB)")
+
+
 @speed_app.command("host")
 def speed_host(model: ModelOpt = "ds-tiny", model_path: ModelPathOpt = None,
                repeats: Annotated[int, typer.Option("--repeats", min=1)] = 20, as_json: JsonOpt = False):

@@ -12,6 +12,9 @@
   the O_DIRECT read bandwidth `bench env` measures for the same total size on the same disk:
   efficiency = (bytes / load seconds) / O_DIRECT GB/s. Reported for the reads alone and for the
   whole load (reads + dequantisation).
+- convert: the streaming expert-file writer on random layers of a model's real expert shapes (its
+  config alone: DS-V2-Lite's by default), into a temporary folder that is removed: file bytes,
+  seconds and the process's peak RSS — one layer's worth whatever the layer count.
 """
 from __future__ import annotations
 
@@ -170,3 +173,29 @@ def flash(folder: Path, gguf: Path, repeats: int = 20, layer: int | None = None,
         res["load_efficiency"] = res["load_gb_per_s"] / ref["gb_per_s_median"]
     return res
 
+
+
+def convert_memory(cfg: dict, n_layers: int, qtype: str, folder: Path, log=print) -> dict:
+    """Write `n_layers` random MoE layers of `cfg`'s expert shapes with `write_expert_gguf` into
+    `folder`; report the file's size, the seconds and the peak RSS (ru_maxrss) of this process."""
+    import resource
+    import tempfile
+
+    from draftexpert.runtime.gguf_experts import write_expert_gguf
+
+    E, H, I = cfg["n_routed_experts"], cfg["hidden_size"], cfg["moe_intermediate_size"]
+    meta = {"n_layer": n_layers + 1, "first_dense": 1, "n_expert": E, "n_embd": H, "n_ff_exp": I}
+
+    def layers():
+        for layer in range(1, n_layers + 1):
+            g = torch.Generator().manual_seed(layer)
+            log(f"layer {layer}/{n_layers}")
+            yield layer, torch.randn(E, 2 * I, H, generator=g), torch.randn(E, H, I, generator=g)
+
+    with tempfile.TemporaryDirectory(dir=folder) as tmp:
+        t0 = time.perf_counter()
+        path = write_expert_gguf(Path(tmp) / "experts.gguf", layers(), meta, qtype)
+        seconds, size = time.perf_counter() - t0, path.stat().st_size
+    return {"layers": n_layers, "type": qtype, "file_bytes": size, "seconds": seconds,
+            "layer_fp32_bytes": E * 3 * H * I * 4,
+            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}

@@ -48,3 +48,17 @@ def test_the_store_refuses_a_damaged_file_it_wrote(tmp_path):
         f.write(b"\xff" * 8)
     with pytest.raises(ExpertFileError, match="damaged.*bench convert"):
         ExpertFile(path, staging_buffers=1)
+
+
+def test_bench_speed_convert_writes_and_removes_its_file(tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from bench.cli import app
+
+    r = CliRunner().invoke(app, ["speed", "convert", "--model", "ds-tiny", "--layers", "2", "--type", "q4_0",
+                                 "--dir", str(tmp_path), "--json"])
+    out = json.loads(r.output[r.output.index("{"):])
+    assert r.exit_code == 0 and out["layers"] == 2 and out["file_bytes"] > 0 and out["peak_rss_bytes"] > 0
+    assert list(tmp_path.iterdir()) == []
