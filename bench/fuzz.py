@@ -107,7 +107,6 @@ class Campaign:
         self.expert_file = expert_file
         self._plain: dict[tuple, list[int]] = {}
         self._prompts = {p["id"]: p["prompt"] for s in prompts.SUITES for p in prompts.load(s)}
-        self._tokenizers: dict[str, object] = {}
 
     def _decoder(self, case: Case, method: str, platform: str, cache_experts: int, spec=None,
                  resident_from_file: bool = False):

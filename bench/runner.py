@@ -43,11 +43,11 @@ class CellConfig:
 OVERFLOW = ("skip", "refuse")
 
 
-def context_overflows(prompts: list[dict], decoder: Decoder, tokenizer, max_new_tokens: int) -> list[dict]:
-    """The prompts that do not fit the decoder's context, each with its reason."""
+def context_overflows(prompts: list[dict], ids: dict[str, list[int]], decoder: Decoder, max_new_tokens: int) -> list[dict]:
+    """The prompts (rendered: `ids` by prompt id) that do not fit the decoder's context, each with its reason."""
     out = []
     for p in prompts:
-        n = len(render_prompt(tokenizer, p["prompt"]))
+        n = len(ids[p["id"]])
         try:
             check_context(decoder.positions(n, max_new_tokens), decoder.context_length, n, max_new_tokens)
         except ContextOverflow as e:
@@ -63,7 +63,8 @@ def run_cells(cfg: CellConfig, prompts: list[dict], decoder: Decoder, tokenizer,
 
     if on_overflow not in OVERFLOW:
         raise ValueError(f"--context-overflow: {on_overflow!r} is not one of {', '.join(OVERFLOW)}")
-    overflow = context_overflows(prompts, decoder, tokenizer, cfg.max_new_tokens)
+    rendered = {p["id"]: render_prompt(tokenizer, p["prompt"]) for p in prompts}  # once: checked, then decoded
+    overflow = context_overflows(prompts, rendered, decoder, cfg.max_new_tokens)
     if overflow and on_overflow == "refuse":
         raise ContextOverflow(f"{len(overflow)} prompt(s) do not fit the context, nothing was run: "
                               f"{overflow[0]['prompt_id']}: {overflow[0]['reason']}"
@@ -89,7 +90,7 @@ def run_cells(cfg: CellConfig, prompts: list[dict], decoder: Decoder, tokenizer,
                 if p["id"] in too_long:
                     log(f"{p['id']}: skipped — {too_long[p['id']]['reason']}")
                     continue
-                ids = render_prompt(tokenizer, p["prompt"])
+                ids = rendered[p["id"]]
                 out = decoder.generate(ids, cfg.max_new_tokens, tokenizer.eos_token_id)
                 record = {
                     "key": key, "run": run_name or Path(run_dir).name, "config_hash": h, "machine_id": mid, **conf,

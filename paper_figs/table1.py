@@ -45,7 +45,7 @@ def column(config: dict, machines: list[dict], caps: list[int]) -> dict:
     link = ""
     if isinstance(gpus, list) and gpus and gpus[0].get("pcie_gen_current"):
         link = f"; PCIe gen{gpus[0]['pcie_gen_current']} x{gpus[0]['pcie_width_current']}"
-    capped = sorted(c for c in set(caps) if c)
+    capped = sorted({c for c in caps if c})
     return {
         "machine": ", ".join(sorted({f"{m.get('machine_id')} ({m.get('os')})" for m in machines})),
         "accelerator": gpu if cuda and gpu else f"the CPU: {cpu['model']}, {cpu['usable_cores']} cores "
@@ -56,9 +56,9 @@ def column(config: dict, machines: list[dict], caps: list[int]) -> dict:
         "storage / link": f"{st.get('device')} ({st.get('fstype')}, {'reported rotational' if st.get('rotational') else 'non-rotational'}), "
                           f"{bw}{link}",
         "runtime": runtime,
-        "read cap": ("uncapped" if None in caps or 0 in caps else "") + (
-            ("; " if None in caps else "") + " / ".join(f"{c // 10**6}" for c in capped)
-            + " MB/s (kernel block-I/O throttle)" if capped else ""),
+        "read cap": "; ".join((["uncapped"] if any(not c for c in caps) else [])
+                              + ([" / ".join(f"{c // 10**6}" for c in capped) + " MB/s (kernel block-I/O throttle)"]
+                                 if capped else [])),
     }
 
 

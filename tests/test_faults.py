@@ -131,13 +131,15 @@ def test_prompts_past_the_context_are_skipped_with_their_reason_or_refused(tiny_
     # speculation reserves K_max + 1: a prompt that fits AR can overflow a speculative decoder
     from bench import prompts
     from bench.decoders import make_decoder
+    from bench.prompts import render_prompt
     from bench.runner import context_overflows, run_cells
 
     n = s["skipped_context"][0]["prompt_tokens"]
     fits_ar = 2048 - n
     for method, refused in (("ar", False), ("top-r", True)):
         dec, tok, cfg = make_decoder("ds-tiny", tiny_checkpoint, method, "resident", max_new_tokens=fits_ar)
-        found = context_overflows(prompts.load("gsm8k", 1), dec, tok, fits_ar)
+        recs = prompts.load("gsm8k", 1)
+        found = context_overflows(recs, {r["id"]: render_prompt(tok, r["prompt"]) for r in recs}, dec, fits_ar)
         assert bool(found) == refused
         if refused:
             with pytest.raises(ContextOverflow, match=r"K_max \+ 1.*--context-overflow skip"):
