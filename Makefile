@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install -q -e ".[test]"
+	$(BIN)/python -m pip install -q -e ".[test,eval,ray]"
 	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/python -m pip install -q "$(LLAMA_SPEC)"
 	$(BIN)/python -c "from draftexpert.engines.llamacpp import build_info; assert build_info().get('LLAMAFILE', '0') == '0'" || \
 		CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/python -m pip install -q --no-cache-dir --force-reinstall --no-deps "$(LLAMA_SPEC)"

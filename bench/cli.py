@@ -645,6 +645,58 @@ def compare(model: ModelOpt = "ds-tiny", model_path: ModelPathOpt = None,
     emit(res, as_json, (table4 if method_set == "table4" else table)(res) + f"\n\ntokens equal AR: {res['tokens_equal_ar']}  ({out_dir})")
 
 
+def _list(values: list[str] | None) -> list[str]:
+    """A repeatable option that also takes comma-separated values (`--method ar,draftexpert`)."""
+    return [v.strip() for item in values or [] for v in item.split(",") if v.strip()]
+
+
+@app.command("eval")
+def eval_cmd(model: ModelOpt = "ds-tiny", model_path: ModelPathOpt = None,
+             tasks: Annotated[list[str] | None, typer.Option("--tasks", help="gsm8k, mbpp (offline copies) or any "
+                                                              "lm-eval task whose data is here; comma-separated")] = None,
+             method: Annotated[list[str] | None, typer.Option("--method", help="ar, top-r, draftexpert; "
+                                                              "comma-separated (answers compared to the first)")] = None,
+             platform: PlatformOpt = "mn", engine: EngineOpt = "torch", expert_type: ExpertTypeOpt = "q4_0",
+             limit: Annotated[int | None, typer.Option("--limit", min=1, help="First N samples of each task.")] = None,
+             max_gen_toks: Annotated[int, typer.Option("--max-gen-toks", min=1, help="Most new tokens per "
+                                                       "answer (lm-eval's max_gen_toks).")] = 256,
+             r: Annotated[int, typer.Option("--r", min=1, help="top-r: routed experts the drafter runs.")] = 1,
+             k_max: KMaxOpt = 4, tau: TauOpt = 0.6, budget: BudgetOpt = 24,
+             draft_experts: DraftExpertsOpt = None, threads: ThreadsOpt = None,
+             allow_code: Annotated[bool, typer.Option("--allow-code-execution", help="Let tasks whose metric runs "
+                                                      "the generated code (mbpp) run it (a fresh isolated "
+                                                      "interpreter, 10 s limit).")] = False,
+             out: OutOpt = None, as_json: JsonOpt = False):
+    """lm-eval tasks through the suite's decoders: per task and method the score, decode TPS, α,
+    and whether every answer equals the first method's (the losslessness check on real tasks)."""
+    from bench.decoders import METHODS
+    from bench.evaluation import EvalError, check_tasks, evaluate, table
+
+    task_list, methods = _list(tasks) or ["gsm8k"], _list(method) or ["ar", "draftexpert"]
+    bad = [m for m in methods if m not in METHODS or m == "reference"]
+    if bad:
+        fail(f"--method: {', '.join(bad)} cannot be evaluated; choose from ar, top-r, draftexpert")
+    if len(set(methods)) != len(methods):
+        fail("--method: a method is listed twice")
+    _check_run_flags(platform, expert_type, None)
+    folder = resolve_or_fail(model, model_path)
+    try:
+        check_tasks(task_list, allow_code)  # before any folder exists
+    except EvalError as e:
+        fail(str(e))
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+    out_dir = _run_dir(out, REPO_ROOT / "runs" / f"eval-{model}-{platform}{'-llama.cpp' if engine == 'llama.cpp' else ''}")
+    lm_args = {"expert_type": expert_type, "r": r, "k_max": k_max, "tau": tau, "budget": budget,
+               "draft_experts": str(draft_experts) if draft_experts else None}
+    with _named_errors(), _resumable(out_dir):
+        res = evaluate(model, folder, task_list, methods, out_dir, platform=platform, engine=engine, limit=limit,
+                       max_gen_toks=max_gen_toks, allow_code=allow_code, lm_args=lm_args, log=log)
+    emit(res, as_json, table(res) + f"\n\nanswers different from {methods[0]}'s: {res['mismatches']}  ({out_dir})")
+
+
 @app.command()
 def fuzz(engine: EngineOpt = "torch",
          cases: Annotated[int, typer.Option("--cases", min=1, help="Cases 0 … N-1 of the campaign.")] = 100,

@@ -57,13 +57,18 @@ def context_overflows(prompts: list[dict], ids: dict[str, list[int]], decoder: D
 
 def run_cells(cfg: CellConfig, prompts: list[dict], decoder: Decoder, tokenizer, run_dir: Path,
               machine: dict | None = None, log: Callable[[str], None] = lambda m: print(m, file=sys.stderr),
-              run_name: str | None = None, on_overflow: str = "skip") -> dict:
-    """Decode every prompt not yet in `run_dir`; return a summary of this session."""
+              run_name: str | None = None, on_overflow: str = "skip",
+              render: Callable[[str], list[int]] | None = None) -> dict:
+    """Decode every prompt not yet in `run_dir`; return a summary of this session. `prompts`: a
+    list of records or a `datasets.Dataset`; `render`: text → ids (default the chat template)."""
+    from bench.progress import Progress
     from bench.telemetry import machine_id
 
     if on_overflow not in OVERFLOW:
         raise ValueError(f"--context-overflow: {on_overflow!r} is not one of {', '.join(OVERFLOW)}")
-    rendered = {p["id"]: render_prompt(tokenizer, p["prompt"]) for p in prompts}  # once: checked, then decoded
+    render = render or (lambda text: render_prompt(tokenizer, text))
+    prompts = list(prompts)
+    rendered = {p["id"]: render(p["prompt"]) for p in prompts}  # once: checked, then decoded
     overflow = context_overflows(prompts, rendered, decoder, cfg.max_new_tokens)
     if overflow and on_overflow == "refuse":
         raise ContextOverflow(f"{len(overflow)} prompt(s) do not fit the context, nothing was run: "
@@ -78,17 +83,21 @@ def run_cells(cfg: CellConfig, prompts: list[dict], decoder: Decoder, tokenizer,
     manifest = RunManifest(run_dir, conf, machine)
     written = skipped = 0
     status = "interrupted"
+    progress = Progress(len(prompts), f"{cfg.model} {cfg.method} {cfg.platform}", log)
     try:
         with RecordWriter(run_dir) as store:
             if store.repaired_bytes:
-                log(f"repaired a torn last record ({store.repaired_bytes} bytes) in {store.path}; it will be redone")
+                progress.note(f"repaired a torn last record ({store.repaired_bytes} bytes) in {store.path}; "
+                              "it will be redone")
             for p in prompts:
                 key = cell_key(ident, p["id"])
                 if key in store.done:
                     skipped += 1
+                    progress.done("", 0, 0.0)
                     continue
                 if p["id"] in too_long:
-                    log(f"{p['id']}: skipped — {too_long[p['id']]['reason']}")
+                    progress.note(f"{p['id']}: skipped — {too_long[p['id']]['reason']}")
+                    progress.done("", 0, 0.0)
                     continue
                 ids = rendered[p["id"]]
                 out = decoder.generate(ids, cfg.max_new_tokens, tokenizer.eos_token_id)
@@ -102,7 +111,8 @@ def run_cells(cfg: CellConfig, prompts: list[dict], decoder: Decoder, tokenizer,
                 record.update({**c, **metrics.derive(c)})
                 store.write(record)
                 written += 1
-                log(f"{p['id']}: {len(out.tokens)} tokens, {record['decode_tps']:.1f} tok/s")
+                progress.done(f"{p['id']}: {len(out.tokens)} tokens, {record['decode_tps']:.1f} tok/s",
+                              len(out.tokens), out.decode_s)
         status = "complete"
     except KeyboardInterrupt:
         raise
@@ -110,6 +120,7 @@ def run_cells(cfg: CellConfig, prompts: list[dict], decoder: Decoder, tokenizer,
         status = "failed"
         raise
     finally:
+        progress.close()
         try:
             manifest.finish(status, written=written, skipped=skipped, skipped_context=overflow)
         except RunFolderError as e:
