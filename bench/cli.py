@@ -698,6 +698,38 @@ def eval_cmd(model: ModelOpt = "ds-tiny", model_path: ModelPathOpt = None,
 
 
 @app.command()
+def sweep(grid: Annotated[Path, typer.Argument(help="The grid file (TOML; see bench/data/grids/example.toml).")],
+          ray: Annotated[str | None, typer.Option("--ray", help="Run the cells as Ray tasks: `local` starts a "
+                                                  "runtime on this machine, `auto` joins the running cluster, or "
+                                                  "a cluster ADDRESS (ray://host:10001).")] = None,
+          out: OutOpt = None, as_json: JsonOpt = False):
+    """A grid of cells (model × platform × engine × method × settings × prompt shard) through the
+    results store, resumable; in this process, or on Ray with --ray (retried tasks resume)."""
+    from bench.grid import GridError, cells_table, collect, read_grid, run_sweep
+
+    try:
+        tasks, opts = read_grid(grid)
+    except GridError as e:
+        fail(str(e))
+    out_dir = _run_dir(out or (Path(opts["out"]) if opts["out"] else None), REPO_ROOT / "runs" / f"sweep-{grid.stem}")
+    if ray is not None:
+        try:
+            import ray as _ray  # noqa: F401
+        except ImportError:
+            fail("--ray: Ray is not installed (pip install -e '.[ray]')")
+    log(f"{len(tasks)} tasks → {out_dir}" + (f" on Ray ({ray})" if ray else ""))
+    with _named_errors(), _resumable(out_dir):
+        done = run_sweep(tasks, out_dir, ray_address=None if ray == "local" else ray, use_ray=ray is not None, log=log)
+    rows = cells_table(collect(out_dir))
+    text = "\n".join([f"| {'cell':60s} | prompts | TPS | α |", "|---|---|---|---|"] +
+                     [f"| {r['cell']:60s} | {r['prompts']} | {r['decode_tps']:.1f} | "
+                      + (f"{r['acceptance']:.3f}" if r["acceptance"] is not None else "–") + " |" for r in rows])
+    emit({"out": str(out_dir), "tasks": done, "cells": rows}, as_json,
+         text + f"\n\n{sum(d['written'] for d in done)} written, {sum(d['skipped'] for d in done)} already done "
+         f"→ {out_dir}")
+
+
+@app.command()
 def fuzz(engine: EngineOpt = "torch",
          cases: Annotated[int, typer.Option("--cases", min=1, help="Cases 0 … N-1 of the campaign.")] = 100,
          seed: Annotated[int, typer.Option("--seed", help="The campaign: case i is drawn from (seed, engine, i).")] = 0,

@@ -12,6 +12,8 @@ held is not "done" and is redone — and the loader ignores such a tail, so no r
 a truncated record. A sweep resumes by skipping cells whose key is already in the file. A damaged line elsewhere
 (not JSON, or not a record) is reported as `FILE:LINE` on stderr and skipped by every reader, so
 its cell is redone; the line itself stays in the file for inspection, never read as a record.
+One writer at a time: `RecordWriter` holds an exclusive `flock` on records.jsonl while open (a
+second writer waits), so a Ray task retried while its first attempt still runs writes no cell twice.
 
 Folder faults (`RunFolderError`, one line naming the folder): `--out` naming a file, a read-only
 or full file system. A session whose writes fail is marked `failed` in the manifest when the
@@ -40,6 +42,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -144,17 +147,28 @@ def read_records(path: Path, warn=_warn) -> list[dict]:
 
 
 class RecordWriter:
-    """Append-only, crash-safe writer of one run folder's records.jsonl."""
+    """Append-only, crash-safe writer of one run folder's records.jsonl. It holds an exclusive lock
+    on the file while open, so two writers of one folder (a retried Ray task whose first attempt
+    still runs, two shells) never interleave: the second waits, then sees the first one's records."""
 
-    def __init__(self, run_dir: Path, fsync: bool = True):
+    def __init__(self, run_dir: Path, fsync: bool = True, warn=_warn):
+        import fcntl
+
         self.run_dir = check_run_dir(run_dir)
         self.path = self.run_dir / "records.jsonl"
+        self._fd = -1
         try:
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                warn(f"{self.path} is being written by another process; waiting for it to finish")
+                fcntl.flock(self._fd, fcntl.LOCK_EX)
             self.repaired_bytes = _repair_tail(self.path)
             self.done: set[str] = {r["key"] for r in read_records(self.path)}
             self.fsync = fsync
-            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         except OSError as e:
+            self.close()
             raise RunFolderError(f"{self.path}: {e.strerror or e}") from None
 
     def write(self, record: dict) -> None:
@@ -232,7 +246,8 @@ class RunManifest:
             "sessions": old.get("sessions", []),
             "created": old.get("created", _now()),
         }
-        self.session = {"start": _now(), "end": None, "status": "running", "argv": sys.argv}
+        self.session = {"start": _now(), "end": None, "status": "running", "argv": sys.argv,
+                         "host": socket.gethostname(), "pid": os.getpid()}  # who wrote (a sweep's worker)
         self.data["sessions"].append(self.session)
         write_json_atomic(self.path, self.data)
 
