@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 class Progress:
     def __init__(self, total: int, desc: str, log: Callable[[str], None], stream=None):
-        stream = stream or sys.stderr
+        self.stream = stream = stream or sys.stderr
         self.log, self.tokens, self.seconds = log, 0, 0.0
         self.bar = None
         if stream.isatty():
@@ -18,7 +18,10 @@ class Progress:
 
     def note(self, line: str) -> None:
         """A line that is not a prompt done (a skip, a repair)."""
-        (self.bar.write if self.bar else self.log)(line)
+        if self.bar is None:
+            self.log(line)
+        else:
+            self.bar.write(line, file=self.stream)  # above the bar
 
     def done(self, line: str, tokens: int, decode_s: float, n: int = 1) -> None:
         """`n` prompts done (decoded now: `tokens` in `decode_s`; already in the store: 0)."""
