@@ -54,6 +54,10 @@ StagingOpt = Annotated[str, typer.Option("--staging", help="llama.cpp on mn: dem
 ReadBwOpt = Annotated[str | None, typer.Option("--read-bw", help="Cap the storage reads of the decode for real with "
                                                "the kernel's block-I/O throttle, e.g. 64MB/s (needs root; "
                                                "recorded in every cell).")]
+DeviceOpt = Annotated[str | None, typer.Option("--device", help="cg: cuda (default; refused without a GPU) | cpu "
+                                               "(the CPU as the accelerator, recorded so)")]
+DtypeOpt = Annotated[str, typer.Option("--dtype", help="torch engine's compute: fp32 (speculation exact) | bf16 (the "
+                                       "paper's; a near-tie may flip); experts move in the checkpoint's dtype")]
 CompileOpt = Annotated[bool, typer.Option("--compile", help="torch.compile the one-token decode step (static shapes; "
                                           "~20 s of compilation the first time).")]
 REPO_ROOT = registry.REPO_ROOT
@@ -155,7 +159,7 @@ def _bytes(text: str, flag: str) -> int:
 def plan(model: ModelOpt = "ds", model_path: ModelPathOpt = None, platform: PlatformOpt = "cg",
          method: Annotated[str, typer.Option("--method", help="ar (one position a round) | top-r | draftexpert "
                                              "(K_max + 1 positions)")] = "draftexpert",
-         k_max: KMaxOpt = 4, expert_type: ExpertTypeOpt = "q4_0",
+         k_max: KMaxOpt = 4, expert_type: ExpertTypeOpt = "q4_0", dtype: DtypeOpt = "fp32",
          cuda: Annotated[bool | None, typer.Option("--cuda/--cpu", help="The accelerator (default: cg → a CUDA "
                                                    "GPU, else the CPU).")] = None,
          host_mem: Annotated[str | None, typer.Option("--host-mem", help="Host memory to plan for, e.g. 64GiB "
@@ -176,7 +180,11 @@ def plan(model: ModelOpt = "ds", model_path: ModelPathOpt = None, platform: Plat
     except registry.ModelNotFound as e:
         fail(str(e))
     cuda = platform == "cg" if cuda is None else cuda
-    p = make_plan(cfg, platform, cuda, dtype_bytes=4, expert_type=expert_type,
+    from bench.decoders import DTYPES
+
+    if dtype not in DTYPES:
+        fail(f"--dtype: {dtype!r} is not one of {', '.join(DTYPES)}")
+    p = make_plan(cfg, platform, cuda, dtype_bytes={"fp32": 4, "bf16": 2}[dtype], expert_type=expert_type,
                   positions=1 if method == "ar" else k_max + 1)
     host = _bytes(host_mem, "--host-mem") if host_mem else available_host_bytes()
     gpu = _bytes(gpu_mem, "--gpu-mem") if gpu_mem else None
@@ -195,12 +203,12 @@ def plan(model: ModelOpt = "ds", model_path: ModelPathOpt = None, platform: Plat
     g = lambda n: f"{n / GIB:8.2f} GiB"  # noqa: E731
     rows = [("accelerator: weights", p["accelerator_weights"]), ("accelerator: KV cache (2048 positions)", p["kv_cache"]),
             ("a round's staged experts (worst)", p["working_set"]), ("  … one position", p["working_set_one_position"]),
-            ("host: routed pool (cg)", p["host_pool"]), ("host: pinned for it (CUDA)", p["host_pinned"]),
-            ("host: pageable copy while pinning", p["host_pageable_at_load"]), ("storage: expert file (mn)", p["storage"]),
+            ("host: routed pool (cg, exact size)", p["host_pool"]), ("  … of it pinned (CUDA)", p["host_pinned"]),
+            ("host: filling it, one layer at most", p["host_load_transient"]), ("storage: expert file (mn)", p["storage"]),
             ("conversion peak (one layer)", p["conversion_peak"]),
             ("= host memory, worst / least", p["host"]), ("", p["host_least"]),
             ("= accelerator memory, worst / least", p["accelerator"]), ("", p["accelerator_least"])]
-    text = (f"{model} on {platform} ({'CUDA GPU' if cuda else 'CPU as the accelerator'}), {method}, fp32 weights:\n"
+    text = (f"{model} on {platform} ({'CUDA GPU' if cuda else 'CPU as the accelerator'}), {method}, {dtype} compute:\n"
             + "\n".join(f"  {k:40s}{g(v)}" for k, v in rows if k or v)
             + f"\n  available: host {g(host) if host else '?'}" + (f", GPU {g(gpu)}" if cuda and gpu else "")
             + f"\n{'fits' if p['fits'] else 'does not fit'}" + (f": {p['warning']}" if p["warning"] else ""))
@@ -480,9 +488,13 @@ def _check_applicable(ctx: typer.Context, method: str, platform: str, engine: st
         _refuse_flags(ctx, ["r"], "to --method draftexpert (its drafter is shared + top-1 + the draft expert)")
     if method == "reference":
         why = "to --method reference (transformers' greedy decoding, every weight resident)"
-        _refuse_flags(ctx, ["temperature", "engine", "read_bw", "compile"], why)
+        _refuse_flags(ctx, ["temperature", "engine", "read_bw", "compile", "device", "dtype"], why)
         _refuse_flags(ctx, ["platform", "expert_type", "cache_experts", "staging_budget", "staging", "seed"], why, warn=True)
         return
+    if platform != "cg":
+        _refuse_flags(ctx, ["device"], f"to --platform {platform} (it runs on the CPU here; cg is the GPU platform)")
+    if engine == "llama.cpp":
+        _refuse_flags(ctx, ["dtype"], "to --engine llama.cpp (it computes in the expert file's types)")
     if platform != "mn":
         _refuse_flags(ctx, ["read_bw"], f"to --platform {platform} (nothing is read from storage)")
         _refuse_flags(ctx, ["staging_budget"], f"to --platform {platform} (nothing is read from storage)", warn=True)
@@ -526,7 +538,7 @@ def run(ctx: typer.Context, model: ModelOpt = "ds-tiny", model_path: ModelPathOp
                                                  "| own (its own cache)")] = "shared",
         draft_experts: DraftExpertsOpt = None, compile: CompileOpt = False, engine: EngineOpt = "torch",
         staging: StagingOpt = "demand", read_bw: ReadBwOpt = None, context_overflow: OverflowOpt = "skip",
-        as_json: JsonOpt = False):
+        device: DeviceOpt = None, dtype: DtypeOpt = "fp32", as_json: JsonOpt = False):
     """Decode the prompt suites with one method; one record per prompt, resumable.
 
     `ar`: autoregressive decoding on the expert-offload runtime (the paper's baseline; every
@@ -570,7 +582,8 @@ def run(ctx: typer.Context, model: ModelOpt = "ds-tiny", model_path: ModelPathOp
                                                cache_experts=cache_experts, staging_budget=staging_budget,
                                                temperature=temperature, seed=seed, max_new_tokens=max_new_tokens,
                                                expert_file=lambda qt: expert_file(model, folder, qt), spec=spec,
-                                               compile=compile, engine=engine, staging=staging)
+                                               compile=compile, engine=engine, staging=staging, device=device,
+                                               dtype=dtype)
         machine = _machine()
         if rate:
             cfg.method_args["read_bw"] = rate  # a capped cell is another cell
@@ -605,6 +618,7 @@ def compare(model: ModelOpt = "ds-tiny", model_path: ModelPathOpt = None,
             max_new_tokens: MaxNewTokensOpt = 64, k_max: KMaxOpt = 4, tau: TauOpt = 0.6, budget: BudgetOpt = 24,
             draft_experts: DraftExpertsOpt = None, threads: ThreadsOpt = None, compile: CompileOpt = False,
             engine: EngineOpt = "torch", staging: StagingOpt = "demand", read_bw: ReadBwOpt = None,
+            device: DeviceOpt = None, dtype: DtypeOpt = "fp32",
             caps: Annotated[list[str] | None, typer.Option("--cap", help="--set regime: the read caps to sweep "
                                                            "(default 16…512 MB/s and uncapped; 'none' = uncapped)")] = None,
             out: OutOpt = None, as_json: JsonOpt = False):
@@ -636,7 +650,7 @@ def compare(model: ModelOpt = "ds-tiny", model_path: ModelPathOpt = None,
         res = cmp.compare(model, folder, platform, recs, out_dir, max_new_tokens, spec, expert_type,
                           lambda qt: expert_file(model, folder, qt), _machine(),
                           labels=method, log=log, compile=compile, method_set=method_set, engine=engine,
-                          staging=staging, read_bw=rate, caps=cap_list)
+                          staging=staging, read_bw=rate, caps=cap_list, device=device, dtype=dtype)
     if method_set == "regime":
         from paper_figs.regime import table as regime_table
 

@@ -20,6 +20,44 @@ from draftexpert.speculation.round import SpecConfig
 PLATFORMS = {"mn": "flash", "cg": "host", "resident": "resident"}  # platform → expert store (torch engine)
 METHODS = ("ar", "reference", "top-r", "draftexpert")
 ENGINES = ("torch", "llama.cpp")
+# The torch engine's compute dtype. Experts are held and moved in the checkpoint's dtype (bf16 for the real models)
+# and converted on the accelerator after the copy; fp32 compute keeps speculation exact (a K-token verify pass
+# and one-token steps round alike), bf16 compute is the paper's and faster on a GPU, but its batch-dependent
+# rounding can flip a near-tie between a verify pass and the one-token step.
+DTYPES = ("fp32", "bf16")
+
+
+def available_device(platform: str) -> str | None:
+    """For the suite's own sweeps (reproduce, fuzz) that run anywhere: cg on the GPU when there is
+    one, else on the CPU as the accelerator; other platforms their default."""
+    import torch
+
+    return ("cuda" if torch.cuda.is_available() else "cpu") if platform == "cg" else None
+
+
+def placement(platform: str, method: str, device: str | None = None, dtype: str = "fp32") -> tuple[str, str]:
+    """(device, dtype) of a torch-engine cell. cg computes on a CUDA GPU and is refused without one
+    unless `device="cpu"` asks for the CPU as the accelerator (recorded in the cell); mn and resident
+    run on the CPU here. Router, softmax and the V3 bias stay fp32 in every dtype (`DTYPES`)."""
+    import torch
+
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype: {dtype!r} is not one of {', '.join(DTYPES)}")
+    if device not in (None, "cpu", "cuda"):
+        raise ValueError(f"--device: {device!r} is not one of cpu, cuda")
+    if platform != "cg" or method == "reference":
+        if device == "cuda":
+            raise ValueError(f"--device cuda: platform {platform} runs on the CPU here (cg is the GPU platform)")
+        device = "cpu"
+    elif device is None or device == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("--platform cg copies experts to a CUDA GPU, and torch sees none (a CPU build or no "
+                             "device); `--device cpu` runs cg with the CPU as the accelerator (recorded so)")
+        device = "cuda"
+    if dtype == "bf16" and method in ("top-r", "draftexpert"):
+        print("warning: --dtype bf16: a verify pass and the one-token step round differently in bf16, so a near-tie "
+              "can make the tokens differ from AR's; --dtype fp32 (the default) keeps them equal", file=sys.stderr)
+    return device, dtype
 
 
 @dataclass(frozen=True)
@@ -70,13 +108,13 @@ def _draft_experts(model: str, folder: Path, file: Path | None):
     return draft, meta
 
 
-def _fits(folder: Path, platform: str, cuda: bool, expert_type: str, positions: int) -> None:
+def _fits(folder: Path, platform: str, cuda: bool, expert_type: str, positions: int, dtype_bytes: int = 4) -> None:
     """The memory plan checked against this machine before anything is loaded."""
     import json
 
     from draftexpert.runtime.params import available_host_bytes, check_fits, plan
 
-    p = plan(json.loads((folder / "config.json").read_text()), platform, cuda, dtype_bytes=4,  # fp32 weights
+    p = plan(json.loads((folder / "config.json").read_text()), platform, cuda, dtype_bytes=dtype_bytes,
              expert_type=expert_type, positions=positions)
     free = None
     if cuda:
@@ -168,13 +206,14 @@ def make_decoder(model: str, folder: Path, method: str, platform: str, expert_ty
                  cache_experts: int = 0, staging_budget: int = 0, temperature: float = 0.0, seed: int = 0,
                  max_new_tokens: int = 64, expert_file: Callable[[str], Path] | None = None,
                  spec: SpecOptions = SpecOptions(), compile: bool = False, engine: str = "torch",
-                 staging: str = "demand", resident_from_file: bool = False):
+                 staging: str = "demand", resident_from_file: bool = False, device: str | None = None,
+                 dtype: str = "fp32"):
     """(decoder, tokenizer, cell config) for a method on a platform. `expert_file(type)` gives
     the GGUF expert file of the checkpoint (written once) for platform mn; `spec` the speculative
     methods' options. `engine`: torch, or llama.cpp (platforms mn and resident; `staging` how it
     brings experts from storage on mn). `resident_from_file`: platform resident holds the expert
     file's (`expert_type`) experts — the same model as an mn run of that file, nothing moved
-    (llama.cpp's resident platform always does)."""
+    (llama.cpp's resident platform always does). `device`, `dtype`: the torch engine's (`placement`)."""
     import torch
 
     from draftexpert.runtime.checkpoint import weights_fingerprint
@@ -184,26 +223,30 @@ def make_decoder(model: str, folder: Path, method: str, platform: str, expert_ty
     if engine == "llama.cpp":
         if compile:
             raise ValueError("--compile applies to the torch engine only")
+        if device is not None or dtype != "fp32":
+            raise ValueError("--device / --dtype apply to the torch engine (llama.cpp runs the expert file's types)")
         decoder, tokenizer, cfg = make_llama_decoder(model, folder, method, platform, expert_type, expert_file, spec,
                                                      torch.get_num_threads(), max_new_tokens, temperature, staging)
     else:
         decoder, tokenizer, cfg = _make_torch_decoder(model, folder, method, platform, expert_type, cache_experts,
                                                       staging_budget, temperature, seed, max_new_tokens, expert_file,
-                                                      spec, compile, staging, resident_from_file)
+                                                      spec, compile, staging, resident_from_file, device, dtype)
     cfg.weights = weights_fingerprint(folder)  # results of other weights are other cells
     return decoder, tokenizer, cfg
 
 
 def _make_torch_decoder(model, folder, method, platform, expert_type, cache_experts, staging_budget, temperature,
-                        seed, max_new_tokens, expert_file, spec, compile, staging, resident_from_file):
+                        seed, max_new_tokens, expert_file, spec, compile, staging, resident_from_file, device, dtype):
     import torch
 
     if staging != "demand":
         raise ValueError("--staging applies to the llama.cpp engine (the torch engine's stores stage whole experts)")
     store = "resident" if method == "reference" else PLATFORMS[platform]
-    device = "cuda" if platform == "cg" and method != "reference" and torch.cuda.is_available() else "cpu"
+    device, dtype = placement(platform, method, device, dtype)
+    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
     _fits(folder, "resident" if method == "reference" else platform, device == "cuda", expert_type,
-          1 if method in ("ar", "reference") else spec.round.k_max + 1)  # before anything is loaded
+          1 if method in ("ar", "reference") else spec.round.k_max + 1,
+          torch_dtype.itemsize)  # before anything is loaded
 
     tokenizer = _tokenizer(folder)
     if method == "reference":
@@ -219,9 +262,11 @@ def _make_torch_decoder(model, folder, method, platform, expert_type, cache_expe
 
     from_file = store == "flash" or (store == "resident" and resident_from_file)
     gguf = expert_file(expert_type) if from_file else None
-    target = build_model(folder, store, device=device, gguf_path=gguf, cache_experts=cache_experts,
+    target = build_model(folder, store, device=device, dtype=torch_dtype, gguf_path=gguf, cache_experts=cache_experts,
                          staging_budget_bytes=staging_budget)
     args = {"store": store, "device": device, "cache_experts": cache_experts}
+    if dtype != "fp32":  # recorded only then, so fp32 cells keep their keys
+        args["dtype"] = dtype
     if store == "resident" and from_file:  # recorded only then, so checkpoint-resident cells keep their keys
         args["expert_type"] = expert_type
     if compile:  # recorded only when on, so earlier eager cells keep their keys

@@ -59,7 +59,7 @@ class DraftExpertLM(LM):
     def __init__(self, model: str = "ds-tiny", method: str = "ar", platform: str = "mn", engine: str = "torch",
                  model_path: str | None = None, expert_type: str = "q4_0", r: int = 1, k_max: int = 4,
                  tau: float = 0.6, budget: int = 24, truncate=True, prefetch=True, draft_experts: str | None = None,
-                 max_gen_toks: int = 256, threads: int | None = None, out: str | None = None,
+                 max_gen_toks: int = 256, threads: int | None = None, out: str | None = None, dtype: str = "fp32",
                  log: Callable[[str], None] = _stderr, **lm_eval_args):
         super().__init__()
         import torch
@@ -68,7 +68,7 @@ class DraftExpertLM(LM):
         from bench.decoders import SpecOptions, context_length, make_decoder
         from draftexpert.speculation.round import SpecConfig
 
-        # lm_eval_args: lm-eval's batch_size / device / … — one sequence at a time; the platform picks the device
+        # lm_eval_args: lm-eval's batch_size / device / … — one sequence at a time; device matters to cg only
         if threads:
             torch.set_num_threads(int(threads))
         self.folder = registry.resolve(model, model_path)
@@ -79,9 +79,12 @@ class DraftExpertLM(LM):
         spec = SpecOptions(r=int(r), draft_experts=Path(draft_experts) if draft_experts else None,
                            round=SpecConfig(k_max=int(k_max), tau=float(tau), budget=int(budget),
                                             truncate=_flag(truncate), prefetch=_flag(prefetch)))
+        device = str(lm_eval_args.get("device") or "")  # lm-eval's --device: cg's GPU or the CPU
+        device = ("cpu" if device == "cpu" else "cuda" if device.startswith("cuda") else None) if platform == "cg" else None
         self.decoder, self.tokenizer, self.cfg = make_decoder(model, self.folder, method, platform,
                                                               expert_type=expert_type, spec=spec, engine=engine,
-                                                              expert_file=self._expert_file)
+                                                              expert_file=self._expert_file, device=device,
+                                                              dtype=str(dtype))
         label = f"top-{r}" if method == "top-r" else method
         self.run_dir = Path(out) if out else (registry.REPO_ROOT / "runs" / f"eval-{model}-{label}-{platform}"
                                               f"{'-llama.cpp' if engine == 'llama.cpp' else ''}")

@@ -110,7 +110,7 @@ class Campaign:
 
     def _decoder(self, case: Case, method: str, platform: str, cache_experts: int, spec=None,
                  resident_from_file: bool = False):
-        from bench.decoders import SpecOptions, make_decoder
+        from bench.decoders import SpecOptions, available_device, make_decoder
 
         folder = registry.resolve(case.model)
         return make_decoder(case.model, folder, method, platform, expert_type=case.expert_type,
@@ -118,6 +118,7 @@ class Campaign:
                             max_new_tokens=case.max_new_tokens,
                             expert_file=lambda qt: self.expert_file(case.model, folder, qt),
                             spec=spec or SpecOptions(), engine=case.engine,
+                            device=available_device(platform) if case.engine == "torch" else None,
                             staging=case.staging if case.engine == "llama.cpp" else "demand",
                             resident_from_file=resident_from_file)
 

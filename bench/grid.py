@@ -15,6 +15,7 @@ A grid file (TOML; `bench/data/grids/example.toml` is a commented one):
     engine = ["torch", "llama.cpp"]
     method = ["ar", "top-r", "draftexpert"]
     expert_type = ["q4_0"]
+    device = "cuda"                     # cg cells (cpu: the CPU as the accelerator); dtype = "bf16" likewise
     [settings]                          # swept where they apply: r for top-r; the rest for top-r and draftexpert
     r = [1, 2]
     k_max = [4]
@@ -38,7 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-GRID_KEYS = {"model", "model_path", "platform", "engine", "method", "expert_type"}
+GRID_KEYS = {"model", "model_path", "platform", "engine", "method", "expert_type", "device", "dtype"}
 SETTINGS = {"r": int, "k_max": int, "tau": float, "budget": int, "truncate": bool, "prefetch": bool}
 SPEC_METHODS = ("top-r", "draftexpert")
 SECTIONS = {"out", "prompts", "decode", "grid", "settings", "ray"}
@@ -65,6 +66,8 @@ class Task:
     limit: int | None = None
     max_new_tokens: int = 64
     model_path: str | None = None
+    device: str | None = None  # cg: cuda (default) | cpu
+    dtype: str = "fp32"
     resources: dict = field(default_factory=dict)
     gpus: float = 0
 
@@ -144,6 +147,8 @@ def read_grid(path: Path) -> tuple[list[Task], dict]:
                                   settings=dict(zip(keys, combo)), shard=shard, shards=shards, suites=suites,
                                   prompts_file=file, limit=pr.get("limit"),
                                   max_new_tokens=int(dec.get("max_new_tokens", 64)), model_path=grid.get("model_path"),
+                                  device=grid.get("device") if platform == "cg" else None,
+                                  dtype=grid.get("dtype", "fp32") if engine == "torch" else "fp32",
                                   resources=ray.get("resources", {}).get(platform, {}),
                                   gpus=float(ray.get("gpus_per_cg_cell", 1)) if platform == "cg" else 0))
     return tasks, {"out": doc.get("out")}
@@ -173,7 +178,7 @@ def run_task(task: Task, out_dir: Path, log: Callable[[str], None] | None = None
     decoder, tokenizer, cfg = make_decoder(task.model, folder, task.method, task.platform,
                                            expert_type=task.expert_type, max_new_tokens=task.max_new_tokens,
                                            expert_file=lambda qt: expert_file_for(task.model, folder, qt, log=log),
-                                           spec=spec, engine=task.engine)
+                                           spec=spec, engine=task.engine, device=task.device, dtype=task.dtype)
     try:
         summary = run_cells(cfg, task_prompts(task), decoder, tokenizer, out_dir / task.folder, log=log,
                             run_name=str(task.folder))

@@ -21,7 +21,7 @@ PENDING = [
 FIG1B_MODEL = "ds-tiny"
 FIG1B_PER_SUITE = 2
 FIG1B_TOKENS = 64
-FIG1B_CELLS = [("mn", "q4_0"), ("mn", "bf16"), ("cg", "q4_0")]  # cg ignores the expert type (host pool, fp32)
+FIG1B_CELLS = [("mn", "q4_0"), ("mn", "bf16"), ("cg", "q4_0")]  # cg ignores the expert type (host pool in the checkpoint's dtype)
 FIG1B_THREADS = 1  # timings on one thread: comparable across machines with more cores, and with a busy neighbour
 
 
@@ -30,7 +30,7 @@ def fig1b_runs(results_dir: Path, log, per_suite: int = FIG1B_PER_SUITE, tokens:
     from bench import prompts, registry
     from bench.results import load_results
     from bench.artifacts import expert_file_for
-    from bench.decoders import make_decoder
+    from bench.decoders import available_device, make_decoder
     from bench.runner import run_cells
     from bench.telemetry import collect, expert_storage
     from paper_figs import fig1b
@@ -45,7 +45,7 @@ def fig1b_runs(results_dir: Path, log, per_suite: int = FIG1B_PER_SUITE, tokens:
     cells = set()
     for platform, qtype in FIG1B_CELLS:
         decoder, tok, cfg = make_decoder(FIG1B_MODEL, folder, "ar", platform, expert_type=qtype,
-                                         max_new_tokens=tokens,
+                                         max_new_tokens=tokens, device=available_device(platform),
                                          expert_file=lambda qt: expert_file_for(FIG1B_MODEL, folder, qt, log=log))
         name = f"fig1b-{FIG1B_MODEL}-{platform}" + (f"-{qtype}" if platform == "mn" else "")
         cells.add(run_cells(cfg, recs, decoder, tok, runs / name, machine=machine, log=log)["config_hash"])

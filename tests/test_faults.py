@@ -270,7 +270,7 @@ def test_bad_draft_experts_and_checkpoints_name_the_file(tiny_checkpoint, tmp_pa
         f.truncate(f.seek(0, 2) // 2)
     for method in ("reference", "ar"):
         with pytest.raises((ValueError, RuntimeError), match=str(truncated)):
-            make_decoder("ds-tiny", truncated, method, "cg")
+            make_decoder("ds-tiny", truncated, method, "cg", device="cpu")
     assert not list((tmp_path / "cache").rglob("*.part"))
 
 
@@ -305,3 +305,20 @@ def test_llama_cpp_refuses_a_sequence_past_its_context(tiny_checkpoint, tmp_path
                 dec.generate([1] * 2000, 49, None)
         finally:
             dec.close()
+
+
+def test_cg_without_a_gpu_is_refused_unless_the_cpu_is_asked_for(tiny_checkpoint, tmp_path):
+    import torch
+    from typer.testing import CliRunner
+
+    from bench.cli import app
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: cg runs on it")
+    res = CliRunner().invoke(app, _run(tiny_checkpoint, tmp_path / "x", "--platform", "cg"))
+    assert res.exit_code == 2 and "`--device cpu` runs cg with the CPU as the accelerator" in res.output
+    res = CliRunner().invoke(app, _run(tiny_checkpoint, tmp_path / "y", "--platform", "cg", "--device", "cpu", "--json"))
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout[res.stdout.index("{"):])["records"][0]["method_args"]["device"] == "cpu"
+    res = CliRunner().invoke(app, _run(tiny_checkpoint, tmp_path / "z", "--platform", "mn", "--device", "cuda"))
+    assert res.exit_code == 2 and "--device does not apply to --platform mn" in res.output

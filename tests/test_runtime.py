@@ -231,3 +231,52 @@ def test_prefetch_then_fetch_never_deadlocks(checkpoint):
     got = store.fetch(1, [0, 15])  # prefetched: waited for, not reloaded
     assert len(got) == 2 and not store.inflight.keys() - {(1, e) for e in range(16)}
     store.close()
+
+
+def test_the_host_pool_is_one_exact_buffer_filled_from_the_shards(checkpoint, tmp_path):
+    """cg's host pool: one buffer of exactly the routed experts' bytes, in the checkpoint's dtype, filled
+    expert by expert (per-expert tensors) or layer by layer (fused gate_up_proj) — the same numbers."""
+    from safetensors.torch import save_file
+
+    from draftexpert.runtime.loader import Checkpoint, fill_host_pool, load_config, pool_dtype, routed_experts
+
+    _, folder, _ = checkpoint
+    ckpt, cfg = Checkpoint(folder), load_config(folder)
+    layers = range(cfg.first_k_dense_replace, cfg.num_hidden_layers)
+    stored = ckpt.dtype(f"model.layers.{layers[0]}.mlp.experts.0.gate_proj.weight")
+    assert pool_dtype(ckpt, cfg, torch.float32) == stored and pool_dtype(ckpt, cfg, torch.bfloat16) == torch.bfloat16
+    pool = fill_host_pool(ckpt, cfg, stored)
+    E, H, I = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    assert pool.nbytes == len(layers) * E * 3 * H * I * stored.itemsize  # exact: no rounding, no padding
+    expected = {layer: (gu, dn) for layer, gu, dn in routed_experts(ckpt, cfg)}
+    for layer in layers:
+        assert pool.gate_up[layer].data_ptr() >= pool.flat.data_ptr()  # views of the one buffer
+        assert torch.equal(pool.gate_up[layer], expected[layer][0]) and torch.equal(pool.down[layer], expected[layer][1])
+    fused = {k: ckpt.get(k) for k in ckpt.keys() if ".mlp.experts." not in k}
+    for layer in layers:
+        fused[f"model.layers.{layer}.mlp.experts.gate_up_proj"] = expected[layer][0].contiguous()
+        fused[f"model.layers.{layer}.mlp.experts.down_proj"] = expected[layer][1].contiguous()
+    (tmp_path / "fused").mkdir()
+    save_file(fused, tmp_path / "fused" / "model.safetensors")
+    again = fill_host_pool(Checkpoint(tmp_path / "fused"), cfg, stored)
+    assert torch.equal(again.flat, pool.flat)
+    if DEVICE == "cuda":  # page-locked in place, exact size
+        again.pin()
+        assert again.flat.is_pinned()
+        again.unpin()
+
+
+def test_bf16_compute_is_the_same_model_on_every_store(tiny_checkpoint):
+    """--dtype bf16: the host pool keeps the checkpoint's dtype and converts on the accelerator after the
+    copy, so cg's AR is the resident model's AR in bf16, token for token."""
+    from bench.decoders import make_decoder
+
+    ids = [1, 5, 9, 13, 17, 21, 25]
+    out = {}
+    for platform, dtype in (("cg", "bf16"), ("resident", "bf16"), ("resident", "fp32")):
+        dec, _, cfg = make_decoder("ds-tiny", tiny_checkpoint, "ar", platform, device="cpu" if platform == "cg" else None,
+                                   dtype=dtype, max_new_tokens=24)
+        out[platform, dtype] = dec.generate(ids, 24).tokens
+        assert cfg.method_args.get("dtype") == (None if dtype == "fp32" else "bf16")  # fp32 cells keep their keys
+        dec.close()
+    assert out["cg", "bf16"] == out["resident", "bf16"]

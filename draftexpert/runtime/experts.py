@@ -4,10 +4,12 @@ All stores share one interface (`fetch` for the model; `prefetch`, `begin_block`
 for speculation) and one accelerator-side cache with an in-flight set; they differ only in how one expert is loaded:
 
 - `ResidentStore`  every expert already on the accelerator (the paper's resident reference).
-- `HostStore`      platform cg: experts in host memory (pinned under CUDA), copied to the
-                   accelerator on a dedicated CUDA stream with an event per expert; without CUDA
-                   the accelerator is the CPU and the copy runs on a worker thread (a real memcpy
-                   into accelerator-side tensors, overlapping compute the same way).
+- `HostStore`      platform cg: experts in host memory (a `HostPool`: one exact-size buffer in the
+                   checkpoint's dtype, page-locked in place under CUDA), copied to the accelerator
+                   on a dedicated CUDA stream with an event per expert and converted to the compute
+                   dtype there, after the copy; without CUDA the accelerator is the CPU and the
+                   copy runs on a worker thread (a real memcpy into accelerator-side tensors,
+                   overlapping compute the same way).
 - `FlashStore`     platform mn: experts in a GGUF file (`draftexpert.runtime.gguf_experts`), read with
                    O_DIRECT by a pool of reader threads (several reads in flight), each read into a
                    page-aligned staging buffer and dequantised on the accelerator side by the same
@@ -154,18 +156,61 @@ class ResidentStore(ExpertStore):
         return 0
 
 
+class HostPool:
+    """The routed experts of every MoE layer in one flat host buffer of exactly their size.
+
+    Views give per-layer gate_up [E, 2I, H] and down [E, H, I], contiguous so that one expert is
+    one copy each. The loader fills it expert by expert from the checkpoint's shards (no stacked
+    per-layer copy, no pageable duplicate kept while pinning); `pin()` then page-locks the buffer
+    in place with `cudaHostRegister` — exact size, where PyTorch's pinned allocator would round
+    each allocation up to a power of two (a 704 MiB tensor takes 1 GiB)."""
+
+    def __init__(self, layers: list[int], experts: int, hidden: int, inter: int, dtype: torch.dtype):
+        per_gu, per_dn = experts * 2 * inter * hidden, experts * hidden * inter
+        self.flat = torch.empty(len(layers) * (per_gu + per_dn), dtype=dtype)
+        self.gate_up, self.down = {}, {}
+        for j, layer in enumerate(layers):
+            base = j * (per_gu + per_dn)
+            self.gate_up[layer] = self.flat[base:base + per_gu].view(experts, 2 * inter, hidden)
+            self.down[layer] = self.flat[base + per_gu:base + per_gu + per_dn].view(experts, hidden, inter)
+        self.pinned = False
+
+    @property
+    def nbytes(self) -> int:
+        return self.flat.nbytes
+
+    def pin(self) -> None:
+        """Page-lock the buffer where it is (CUDA), so copies from it run asynchronously."""
+        if self.pinned:
+            return
+        rc = torch.cuda.cudart().cudaHostRegister(self.flat.data_ptr(), self.flat.nbytes, 0)
+        if int(rc) != 0:
+            raise RuntimeError(f"cudaHostRegister of the {self.flat.nbytes / 2**30:.1f} GiB expert pool failed "
+                               f"(error {int(rc)}): not enough lockable memory? (ulimit -l, or a smaller model)")
+        self.pinned = True
+
+    def unpin(self) -> None:
+        if self.pinned:
+            torch.cuda.cudart().cudaHostUnregister(self.flat.data_ptr())
+            self.pinned = False
+
+
 class HostStore(ExpertStore):
     """Platform cg: experts in host memory, copied to the accelerator per load."""
 
     name = "host"
 
-    def __init__(self, gate_up: dict[int, torch.Tensor], down: dict[int, torch.Tensor], **kw):
+    def __init__(self, gate_up: dict[int, torch.Tensor], down: dict[int, torch.Tensor], pool: HostPool | None = None,
+                 **kw):
         super().__init__(**kw)
         cuda = self.device.type == "cuda"
-        pin = cuda and torch.cuda.is_available()
-        # host pool: per-layer [E, 2I, H] / [E, H, I], contiguous so one expert is one copy each
-        self.gate_up = {k: (v.contiguous().pin_memory() if pin else v.contiguous()) for k, v in gate_up.items()}
-        self.down = {k: (v.contiguous().pin_memory() if pin else v.contiguous()) for k, v in down.items()}
+        self.pool = pool
+        if cuda and pool is not None:
+            pool.pin()  # in place, exact size
+            self.gate_up, self.down = dict(gate_up), dict(down)
+        else:  # host pool: per-layer [E, 2I, H] / [E, H, I], contiguous so one expert is one copy each
+            self.gate_up = {k: (v.contiguous().pin_memory() if cuda else v.contiguous()) for k, v in gate_up.items()}
+            self.down = {k: (v.contiguous().pin_memory() if cuda else v.contiguous()) for k, v in down.items()}
         self.stream = torch.cuda.Stream(self.device) if cuda else None
         self.worker = None if cuda else ThreadPoolExecutor(1, thread_name_prefix="h2d")  # the "copy stream"
 
@@ -174,10 +219,13 @@ class HostStore(ExpertStore):
         return self.gate_up[layer][e].nbytes + self.down[layer][e].nbytes
 
     def _copy(self, key):
+        """One expert to the accelerator in the pool's dtype, then converted there (never on the host)."""
         layer, e = key
-        gu, dn = self.gate_up[layer][e], self.down[layer][e]
-        return (torch.empty(gu.shape, dtype=self.dtype, device=self.device).copy_(gu, non_blocking=True),
-                torch.empty(dn.shape, dtype=self.dtype, device=self.device).copy_(dn, non_blocking=True))
+        out = []
+        for t in (self.gate_up[layer][e], self.down[layer][e]):
+            dev = torch.empty(t.shape, dtype=t.dtype, device=self.device).copy_(t, non_blocking=True)
+            out.append(dev if dev.dtype == self.dtype else dev.to(self.dtype))
+        return tuple(out)
 
     def _start(self, key):
         if self.stream is None:
@@ -200,6 +248,10 @@ class HostStore(ExpertStore):
     def close(self):
         if self.worker:
             self.worker.shutdown(wait=True)
+        if self.stream is not None:
+            self.stream.synchronize()  # no copy may still read the pool when it is unpinned
+        if self.pool is not None:
+            self.pool.unpin()
 
 
 class FlashStore(ExpertStore):

@@ -43,6 +43,9 @@ def load_config(folder: Path):
     return AutoConfig.from_pretrained(folder, local_files_only=True)
 
 
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
 class Checkpoint:
     """Lazy, shard-aware access to the tensors of a safetensors checkpoint."""
 
@@ -72,6 +75,13 @@ class Checkpoint:
 
     def keys(self):
         return self.where.keys()
+
+    def dtype(self, name: str) -> torch.dtype:
+        """A tensor's stored dtype, from the shard's header (nothing read)."""
+        shard = self.where.get(name)
+        if shard is None:
+            raise CheckpointError(f"{self.folder}: tensor {name} is missing from the checkpoint")
+        return SAFETENSORS_DTYPES[self.handles[shard].get_slice(name).get_dtype()]
 
     def get(self, name: str) -> torch.Tensor:
         shard = self.where.get(name)
@@ -105,6 +115,39 @@ def routed_experts(ckpt: Checkpoint, hf_config) -> Iterator[tuple[int, torch.Ten
                                for e in range(E)])
         down = torch.stack([ckpt.get(f"{p}{e}.down_proj.weight") for e in range(E)])
         yield layer, gate_up, down
+
+
+def pool_dtype(ckpt: Checkpoint, hf_config, compute: torch.dtype) -> torch.dtype:
+    """The host pool's dtype: the checkpoint's own (bf16 for DS-V2-Lite / Moonlight), or the
+    compute dtype when that is narrower — never widened on the host."""
+    layer = hf_config.first_k_dense_replace
+    p = f"model.layers.{layer}.mlp.experts."
+    name = p + "gate_up_proj" if p + "gate_up_proj" in ckpt.where else p + "0.gate_proj.weight"
+    stored = ckpt.dtype(name)
+    return stored if stored.itemsize <= compute.itemsize else compute
+
+
+def fill_host_pool(ckpt: Checkpoint, hf_config, dtype: torch.dtype):
+    """The cg host pool (`HostPool`) filled expert by expert from the shards: each tensor read,
+    copied into its place, dropped — memory is the pool plus one tensor (a fused checkpoint's
+    per-layer `gate_up_proj`: one layer)."""
+    from draftexpert.runtime.experts import HostPool
+
+    layers = list(range(hf_config.first_k_dense_replace, hf_config.num_hidden_layers))
+    E, H, I = hf_config.n_routed_experts, hf_config.hidden_size, hf_config.moe_intermediate_size
+    pool = HostPool(layers, E, H, I, dtype)
+    for layer in layers:
+        p = f"model.layers.{layer}.mlp.experts."
+        gu, dn = pool.gate_up[layer], pool.down[layer]
+        if p + "gate_up_proj" in ckpt.where:
+            gu.copy_(ckpt.get(p + "gate_up_proj"))
+            dn.copy_(ckpt.get(p + "down_proj"))
+            continue
+        for e in range(E):
+            gu[e, :I].copy_(ckpt.get(f"{p}{e}.gate_proj.weight"))
+            gu[e, I:].copy_(ckpt.get(f"{p}{e}.up_proj.weight"))
+            dn[e].copy_(ckpt.get(f"{p}{e}.down_proj.weight"))
+    return pool
 
 
 def expert_file_layers(path: Path, device, dtype) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
@@ -148,13 +191,15 @@ def build_model(folder: Path, store: str = "resident", device: str = "cpu", dtyp
         if gguf_path is None:
             raise CheckpointError("the flash store needs a GGUF expert file (bench convert writes it)")
         experts = FlashStore(gguf_path, io_threads=io_threads, staging_budget_bytes=staging_budget_bytes, **kw)
-    elif store in ("resident", "host"):
+    elif store == "host":
+        pool = fill_host_pool(ckpt, cfg, pool_dtype(ckpt, cfg, dtype))
+        experts = HostStore(pool.gate_up, pool.down, pool=pool, **kw)
+    elif store == "resident":
         gate_up, down = {}, {}
-        layers = expert_file_layers(gguf_path, device, dtype) if store == "resident" and gguf_path else \
-            routed_experts(ckpt, cfg)
+        layers = expert_file_layers(gguf_path, device, dtype) if gguf_path else routed_experts(ckpt, cfg)
         for layer, gu, dn in layers:
             gate_up[layer], down[layer] = gu.to(dtype), dn.to(dtype)
-        experts = ResidentStore(gate_up, down, **kw) if store == "resident" else HostStore(gate_up, down, **kw)
+        experts = ResidentStore(gate_up, down, **kw)
     else:
         raise ValueError(f"unknown expert store {store!r}; choose resident, host or flash")
     return MoEModel(cfg, weights, experts)

@@ -120,27 +120,25 @@ def available_host_bytes() -> int | None:
     return None
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
-
 STORES = {"mn": "flash", "cg": "host", "resident": "resident"}
 EXPERT_FILE_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "q4_0": Q4_0_BYTES_PER_WEIGHT}
+STORED_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}  # a config's torch_dtype: the checkpoint's weights
 
 
 def plan(cfg: dict, platform: str, cuda: bool, dtype_bytes: int = 4, expert_type: str = "q4_0", positions: int = 5,
          context: int = 2048) -> dict:
     """Where a lean model's bytes go on `platform`, from the config alone, as the runtime holds
-    them today (`build_model`: weights in `dtype_bytes`, fp32 = 4). Keys, in bytes:
+    them (`build_model`: computing in `dtype_bytes`, fp32 = 4). Keys, in bytes:
       accelerator_weights  non-routed weights (+ every routed expert when resident)
       kv_cache             MLA cache for `context` positions (c_kv and k_pe per layer)
       working_set          experts a cold round may stage at once: `positions` (AR 1, speculation
-                           K_max + 1) × top-k per MoE layer (at most every expert), dequantised
-                           to `dtype_bytes` — the round keeps them until it ends (not yet bounded)
-      host_pool            cg: the routed pool in host memory; `host_pinned` what pinning it
-                           allocates on CUDA (PyTorch's pinned allocator rounds each tensor —
-                           one gate_up and one down per layer — up to a power of two), and
-                           `host_pageable_at_load` the pageable copy the loader holds while pinning
+                           K_max + 1) × top-k per MoE layer (at most every expert), in the compute
+                           dtype — the round keeps them until it ends (not yet bounded)
+      host_pool            cg: the routed pool in host memory, in the checkpoint's dtype (the
+                           config's torch_dtype; narrower compute narrows it), one exact-size
+                           buffer; `host_pinned` the same bytes page-locked in place on CUDA
+                           (`HostPool`), and `host_load_transient` what filling it holds besides
+                           (one layer's tensors at most: a fused checkpoint's gate_up_proj)
       storage              mn: the expert file (`expert_type`); resident / cg: none
       conversion_peak      writing the expert file (streamed): about 1.5 × one layer in fp32 (the
                            layer as read, one part's copy) plus its encoding — an estimate
@@ -156,19 +154,20 @@ def plan(cfg: dict, platform: str, cuda: bool, dtype_bytes: int = 4, expert_type
          "kv_cache": L * context * (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * dtype_bytes,
          "working_set": 0 if platform == "resident" else len(moe_layers) * min(E, positions * k) * expert * dtype_bytes,
          "working_set_one_position": 0 if platform == "resident" else len(moe_layers) * min(E, k) * expert * dtype_bytes,
-         "host_pool": 0, "host_pinned": 0, "host_pageable_at_load": 0, "storage": 0,
+         "host_pool": 0, "host_pinned": 0, "host_load_transient": 0, "storage": 0,
          "conversion_peak": 0}
     if platform == "cg":
-        gate_up, down = E * 2 * I * H * dtype_bytes, E * H * I * dtype_bytes
-        p["host_pool"] = len(moe_layers) * (gate_up + down)
-        p["host_pinned"] = len(moe_layers) * (_pow2(gate_up) + _pow2(down)) if cuda else 0
-        p["host_pageable_at_load"] = p["host_pool"] if cuda else 0
+        stored = STORED_BYTES.get(cfg.get("torch_dtype") or cfg.get("dtype"), 4)
+        p["pool_dtype_bytes"] = min(stored, dtype_bytes)
+        p["host_pool"] = len(moe_layers) * E * expert * p["pool_dtype_bytes"]
+        p["host_pinned"] = p["host_pool"] if cuda else 0
+        p["host_load_transient"] = E * expert * stored
     if platform == "mn":
         p["storage"] = int(b.routed_experts * EXPERT_FILE_BYTES[expert_type])
         p["conversion_peak"] = int(E * expert * (1.5 * 4 + EXPERT_FILE_BYTES[expert_type]))
     for suffix, ws in (("", p["working_set"]), ("_least", p["working_set_one_position"])):
         device = p["accelerator_weights"] + p["kv_cache"] + ws
-        host = (p["host_pinned"] + p["host_pageable_at_load"]) if cuda else p["host_pool"]
+        host = p["host_pool"] + p["host_load_transient"]
         p["accelerator" + suffix], p["host" + suffix] = (device, host) if cuda else (0, host + device)
     return p
 
@@ -183,7 +182,7 @@ def check_fits(p: dict, host_bytes: int | None, accelerator_bytes: int | None = 
     for mem, have, hint in (("host", host_bytes, "use --platform mn (experts read from storage), or a machine with "
                              "more memory"), ("accelerator", accelerator_bytes, "use --platform cg or mn")):
         if have is not None and p[mem + "_least"] > headroom * have:
-            raise WontFit(f"{what} at {8 * p['dtype_bytes']}-bit weights need {gib(p[mem + '_least'])} of {mem} "
+            raise WontFit(f"{what} ({8 * p['dtype_bytes']}-bit compute) need {gib(p[mem + '_least'])} of {mem} "
                           f"memory, but {gib(have)} is available: {hint} (`bench plan` shows where the bytes go)")
     for mem, have in (("host", host_bytes), ("accelerator", accelerator_bytes)):
         if have is not None and p[mem] > headroom * have:
