@@ -80,8 +80,9 @@ class Task:
 
     @property
     def folder(self) -> Path:
-        return Path(self.model) / f"{self.platform}-{self.engine}-{self.expert_type}" / self.label / \
-            f"shard-{self.shard}of{self.shards}"
+        typed = self.platform == "mn" or self.engine == "llama.cpp"  # where the expert file's type is the model
+        return Path(self.model) / (f"{self.platform}-{self.engine}" + (f"-{self.expert_type}" if typed else "")) / \
+            self.label / f"shard-{self.shard}of{self.shards}"
 
 
 def _list(v) -> list:

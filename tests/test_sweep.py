@@ -7,6 +7,7 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -39,6 +40,16 @@ def test_a_grid_expands_to_cells_times_shards(tmp_path, tiny_checkpoint):
     assert [(t.method, t.settings, t.shard) for t in tasks] == [
         ("ar", {}, 0), ("ar", {}, 1), ("top-r", {"k_max": 3, "r": 1}, 0), ("top-r", {"k_max": 3, "r": 1}, 1)]
     assert len({t.folder for t in tasks}) == 4
+
+
+def test_the_shipped_grids_parse():
+    from bench.grid import read_grid
+
+    grids = sorted((Path(__file__).parents[1] / "bench" / "data" / "grids").glob("*.toml"))
+    assert {g.stem for g in grids} >= {"example", "paper-cg", "paper-mn"}
+    for g in grids:
+        tasks, _ = read_grid(g)
+        assert tasks and all(t.gpus == (1 if t.platform == "cg" else 0) for t in tasks)
 
 
 @pytest.mark.parametrize("text, words", [
