@@ -129,8 +129,11 @@ class Engine(Protocol):
 
 
 def probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """softmax(logits / T) in fp32 (T = 1 at greedy: the draft's confidence)."""
-    return torch.softmax(logits.float() / (temperature if temperature > 0 else 1.0), dim=-1)
+    """softmax(logits / T) in fp32 on the host (T = 1 at greedy: the draft's confidence). Sampling
+    and acceptance run on the CPU with CPU generators whatever the engine's device: one random
+    stream on every device, and a CPU generator never meets a CUDA tensor in `multinomial`
+    (the logits' copy is V floats, and the token is needed on the host anyway)."""
+    return torch.softmax(logits.float().cpu() / (temperature if temperature > 0 else 1.0), dim=-1)
 
 
 def sample(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> int:

@@ -280,3 +280,28 @@ def test_bf16_compute_is_the_same_model_on_every_store(tiny_checkpoint):
         assert cfg.method_args.get("dtype") == (None if dtype == "fp32" else "bf16")  # fp32 cells keep their keys
         dec.close()
     assert out["cg", "bf16"] == out["resident", "bf16"]
+
+
+def test_a_block_forward_reads_back_once_per_moe_layer(checkpoint, monkeypatch):
+    """Host syncs on the hot path: a multi-token forward reads the routing back once per MoE layer (what
+    to fetch), never per expert; the engine's expert sets once per call, for all layers."""
+    from draftexpert.engines.torch_engine import layer_experts
+
+    _, folder, _ = checkpoint
+    model = build_model(folder, "host")
+    calls = {"tolist": 0, "nonzero": 0, "item": 0}
+    for name in calls:
+        real = getattr(torch.Tensor, name)
+
+        def counted(self, *a, _real=real, _name=name, **k):
+            calls[_name] += 1
+            return _real(self, *a, **k)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    cache = KVCache.for_model(model, 16)
+    model.forward(torch.arange(1, 9), cache, phase="verify")
+    moe_layers = model.cfg.layers - model.cfg.first_dense
+    assert calls == {"tolist": moe_layers, "nonzero": 0, "item": 0}, calls
+    calls.update(tolist=0)
+    assert layer_experts(model.last_routing) and calls["tolist"] == 1
+    model.experts.close()

@@ -17,8 +17,13 @@ from draftexpert.speculation.drafters import DraftPath
 
 
 def layer_experts(routing: dict[int, torch.Tensor], rows: slice = slice(None)) -> set[Key]:
-    """{(layer, expert)} over the given token rows of a routing tap (layer → [T, k])."""
-    return {(layer, e) for layer, idx in routing.items() for e in idx[rows].unique().tolist()}
+    """{(layer, expert)} over the given token rows of a routing tap (layer → [T, k]), read back to
+    the host once for all layers (not one sync per layer)."""
+    if not routing:
+        return set()
+    layers = list(routing)
+    picked = torch.stack([routing[layer][rows].flatten() for layer in layers])  # [L, rows·k]
+    return {(layers[j], e) for j, row in enumerate(picked.tolist()) for e in row}
 
 
 class TorchEngine:

@@ -295,11 +295,18 @@ class MoEModel:
             self.last_fetched[i] = chosen
             return self.mix(x, h, gate_up, down, w[0], self.experts.fetch_iter(i, chosen, phase))
         out = self.mlp(h, gate_up, down)
-        unique = torch.unique(idx).tolist()
+        r = idx.shape[1]
+        flat = idx.flatten()  # [T·r], row-major: (token, slot)
+        order = torch.argsort(flat, stable=True)  # grouped by expert, (token, slot) ascending within each
+        unique, counts = torch.unique(flat, return_counts=True)
+        unique, counts = torch.stack([unique, counts]).tolist()  # the layer's one host sync: what to fetch
         self.last_fetched[i] = unique
-        for e, (gu, dn) in zip(unique, self.experts.fetch(i, unique, phase)):
-            tok, slot = (idx == e).nonzero(as_tuple=True)  # the tokens that chose e
+        start = 0
+        for n, (gu, dn) in zip(counts, self.experts.fetch(i, unique, phase)):
+            rows = order[start:start + n]
+            tok, slot = rows // r, rows % r  # the tokens that chose this expert
             out.index_add_(0, tok, self.mlp(h[tok], gu, dn) * w[tok, slot, None])
+            start += n
         return x + out
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
