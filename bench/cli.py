@@ -54,6 +54,9 @@ StagingOpt = Annotated[str, typer.Option("--staging", help="llama.cpp on mn: dem
 ReadBwOpt = Annotated[str | None, typer.Option("--read-bw", help="Cap the storage reads of the decode for real with "
                                                "the kernel's block-I/O throttle, e.g. 64MB/s (needs root; "
                                                "recorded in every cell).")]
+WorkingSetOpt = Annotated[str | None, typer.Option("--working-set", help="torch engine, cg / mn: the most bytes a "
+                                                   "round keeps on the accelerator, e.g. 8GiB (past it the round "
+                                                   "reloads on demand; default unbounded)")]
 DeviceOpt = Annotated[str | None, typer.Option("--device", help="cg: cuda (default; refused without a GPU) | cpu "
                                                "(the CPU as the accelerator, recorded so)")]
 DtypeOpt = Annotated[str, typer.Option("--dtype", help="torch engine's compute: fp32 (speculation exact) | bf16 (the "
@@ -160,6 +163,7 @@ def plan(model: ModelOpt = "ds", model_path: ModelPathOpt = None, platform: Plat
          method: Annotated[str, typer.Option("--method", help="ar (one position a round) | top-r | draftexpert "
                                              "(K_max + 1 positions)")] = "draftexpert",
          k_max: KMaxOpt = 4, expert_type: ExpertTypeOpt = "q4_0", dtype: DtypeOpt = "fp32",
+         working_set: WorkingSetOpt = None,
          cuda: Annotated[bool | None, typer.Option("--cuda/--cpu", help="The accelerator (default: cg → a CUDA "
                                                    "GPU, else the CPU).")] = None,
          host_mem: Annotated[str | None, typer.Option("--host-mem", help="Host memory to plan for, e.g. 64GiB "
@@ -185,6 +189,7 @@ def plan(model: ModelOpt = "ds", model_path: ModelPathOpt = None, platform: Plat
     if dtype not in DTYPES:
         fail(f"--dtype: {dtype!r} is not one of {', '.join(DTYPES)}")
     p = make_plan(cfg, platform, cuda, dtype_bytes={"fp32": 4, "bf16": 2}[dtype], expert_type=expert_type,
+                  working_set_bytes=_bytes(working_set, "--working-set") if working_set else 0,
                   positions=1 if method == "ar" else k_max + 1)
     host = _bytes(host_mem, "--host-mem") if host_mem else available_host_bytes()
     gpu = _bytes(gpu_mem, "--gpu-mem") if gpu_mem else None
@@ -488,7 +493,7 @@ def _check_applicable(ctx: typer.Context, method: str, platform: str, engine: st
         _refuse_flags(ctx, ["r"], "to --method draftexpert (its drafter is shared + top-1 + the draft expert)")
     if method == "reference":
         why = "to --method reference (transformers' greedy decoding, every weight resident)"
-        _refuse_flags(ctx, ["temperature", "engine", "read_bw", "compile", "device", "dtype"], why)
+        _refuse_flags(ctx, ["temperature", "engine", "read_bw", "compile", "device", "dtype", "working_set"], why)
         _refuse_flags(ctx, ["platform", "expert_type", "cache_experts", "staging_budget", "staging", "seed"], why, warn=True)
         return
     if platform != "cg":
@@ -504,6 +509,7 @@ def _check_applicable(ctx: typer.Context, method: str, platform: str, engine: st
     if platform == "resident":
         _refuse_flags(ctx, ["cache_experts"], "to --platform resident (every expert is already on the accelerator)",
                       warn=True)
+        _refuse_flags(ctx, ["working_set"], "to --platform resident (nothing is moved)")
 
 
 OverflowOpt = Annotated[str, typer.Option("--context-overflow", help="A prompt whose tokens + --max-new-tokens "
@@ -538,7 +544,8 @@ def run(ctx: typer.Context, model: ModelOpt = "ds-tiny", model_path: ModelPathOp
                                                  "| own (its own cache)")] = "shared",
         draft_experts: DraftExpertsOpt = None, compile: CompileOpt = False, engine: EngineOpt = "torch",
         staging: StagingOpt = "demand", read_bw: ReadBwOpt = None, context_overflow: OverflowOpt = "skip",
-        device: DeviceOpt = None, dtype: DtypeOpt = "fp32", as_json: JsonOpt = False):
+        device: DeviceOpt = None, dtype: DtypeOpt = "fp32", working_set: WorkingSetOpt = None,
+        as_json: JsonOpt = False):
     """Decode the prompt suites with one method; one record per prompt, resumable.
 
     `ar`: autoregressive decoding on the expert-offload runtime (the paper's baseline; every
@@ -569,6 +576,7 @@ def run(ctx: typer.Context, model: ModelOpt = "ds-tiny", model_path: ModelPathOp
         if not r < top_k:
             fail(f"--r: {r} must be below the target's top-k ({top_k}); r = {top_k} is the target itself")
     rate = _read_bw(read_bw)
+    ws = _bytes(working_set, "--working-set") if working_set else 0
     label = f"top-{r}" if method == "top-r" else method
     engine_tag = "-llama.cpp" if engine == "llama.cpp" else ""
     recs = _prompts_and_threads(suite, limit, threads, from_hub, prompts_file, folder, engine)  # before any folder
@@ -583,7 +591,7 @@ def run(ctx: typer.Context, model: ModelOpt = "ds-tiny", model_path: ModelPathOp
                                                temperature=temperature, seed=seed, max_new_tokens=max_new_tokens,
                                                expert_file=lambda qt: expert_file(model, folder, qt), spec=spec,
                                                compile=compile, engine=engine, staging=staging, device=device,
-                                               dtype=dtype)
+                                               dtype=dtype, working_set=ws)
         machine = _machine()
         if rate:
             cfg.method_args["read_bw"] = rate  # a capped cell is another cell
@@ -618,7 +626,7 @@ def compare(model: ModelOpt = "ds-tiny", model_path: ModelPathOpt = None,
             max_new_tokens: MaxNewTokensOpt = 64, k_max: KMaxOpt = 4, tau: TauOpt = 0.6, budget: BudgetOpt = 24,
             draft_experts: DraftExpertsOpt = None, threads: ThreadsOpt = None, compile: CompileOpt = False,
             engine: EngineOpt = "torch", staging: StagingOpt = "demand", read_bw: ReadBwOpt = None,
-            device: DeviceOpt = None, dtype: DtypeOpt = "fp32",
+            device: DeviceOpt = None, dtype: DtypeOpt = "fp32", working_set: WorkingSetOpt = None,
             caps: Annotated[list[str] | None, typer.Option("--cap", help="--set regime: the read caps to sweep "
                                                            "(default 16…512 MB/s and uncapped; 'none' = uncapped)")] = None,
             out: OutOpt = None, as_json: JsonOpt = False):
@@ -650,7 +658,8 @@ def compare(model: ModelOpt = "ds-tiny", model_path: ModelPathOpt = None,
         res = cmp.compare(model, folder, platform, recs, out_dir, max_new_tokens, spec, expert_type,
                           lambda qt: expert_file(model, folder, qt), _machine(),
                           labels=method, log=log, compile=compile, method_set=method_set, engine=engine,
-                          staging=staging, read_bw=rate, caps=cap_list, device=device, dtype=dtype)
+                          staging=staging, read_bw=rate, caps=cap_list, device=device, dtype=dtype,
+                          working_set=_bytes(working_set, "--working-set") if working_set else 0)
     if method_set == "regime":
         from paper_figs.regime import table as regime_table
 

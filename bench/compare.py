@@ -45,7 +45,7 @@ def compare(model: str, folder: Path, platform: str, prompts: list[dict], out_di
             spec: SpecOptions, expert_type: str, expert_file, machine: dict | None, labels: list[str] | None = None,
             log=print, compile: bool = False, method_set: str = "table2", engine: str = "torch",
             staging: str = "demand", read_bw: int | None = None, caps: list[int | None] | None = None,
-            device: str | None = None, dtype: str = "fp32") -> dict:
+            device: str | None = None, dtype: str = "fp32", working_set: int = 0) -> dict:
     """One set's methods through the runner, then one row per method from the records. `read_bw`
     caps the storage reads of every cell (`bench.readcap`); the `regime` set repeats Table 2's
     methods under each of `caps` (default REGIME_CAPS), each cap in its own sub-folder."""
@@ -62,7 +62,8 @@ def compare(model: str, folder: Path, platform: str, prompts: list[dict], out_di
             log(f"=== read cap {cap / 1e6:.0f} MB/s" if cap else "=== uncapped")
             sub = out_dir / (f"cap-{cap // 10**6}MBps" if cap else "uncapped")
             per_cap.append(compare(*args, sub, max_new_tokens, spec, expert_type, expert_file, machine, labels, log,
-                                   compile, "table2", engine, staging, read_bw=cap, device=device, dtype=dtype))
+                                   compile, "table2", engine, staging, read_bw=cap, device=device, dtype=dtype,
+                                   working_set=working_set))
         return {"model": model, "platform": platform, "engine": engine, "set": "regime", "caps": per_cap}
     rows = {}
     for label, method, over in SETS[method_set]:
@@ -76,7 +77,8 @@ def compare(model: str, folder: Path, platform: str, prompts: list[dict], out_di
                                                max_new_tokens=max_new_tokens, expert_file=expert_file,
                                                spec=spec.with_(**over), compile=compile, engine=engine,
                                                staging=staging, resident_from_file=cell_platform != platform,
-                                               device=device if cell_platform == "cg" else None, dtype=dtype)
+                                               device=device if cell_platform == "cg" else None, dtype=dtype,
+                                               working_set=working_set if cell_platform != "resident" else 0)
         run_dir = out_dir / label
         log(f"== {label} → {run_dir}")
         if read_bw:

@@ -108,14 +108,15 @@ def _draft_experts(model: str, folder: Path, file: Path | None):
     return draft, meta
 
 
-def _fits(folder: Path, platform: str, cuda: bool, expert_type: str, positions: int, dtype_bytes: int = 4) -> None:
+def _fits(folder: Path, platform: str, cuda: bool, expert_type: str, positions: int, dtype_bytes: int = 4,
+          working_set: int = 0) -> None:
     """The memory plan checked against this machine before anything is loaded."""
     import json
 
     from draftexpert.runtime.params import available_host_bytes, check_fits, plan
 
     p = plan(json.loads((folder / "config.json").read_text()), platform, cuda, dtype_bytes=dtype_bytes,
-             expert_type=expert_type, positions=positions)
+             expert_type=expert_type, positions=positions, working_set_bytes=working_set)
     free = None
     if cuda:
         import torch
@@ -207,13 +208,14 @@ def make_decoder(model: str, folder: Path, method: str, platform: str, expert_ty
                  max_new_tokens: int = 64, expert_file: Callable[[str], Path] | None = None,
                  spec: SpecOptions = SpecOptions(), compile: bool = False, engine: str = "torch",
                  staging: str = "demand", resident_from_file: bool = False, device: str | None = None,
-                 dtype: str = "fp32"):
+                 dtype: str = "fp32", working_set: int = 0):
     """(decoder, tokenizer, cell config) for a method on a platform. `expert_file(type)` gives
     the GGUF expert file of the checkpoint (written once) for platform mn; `spec` the speculative
     methods' options. `engine`: torch, or llama.cpp (platforms mn and resident; `staging` how it
     brings experts from storage on mn). `resident_from_file`: platform resident holds the expert
     file's (`expert_type`) experts — the same model as an mn run of that file, nothing moved
-    (llama.cpp's resident platform always does). `device`, `dtype`: the torch engine's (`placement`)."""
+    (llama.cpp's resident platform always does). `device`, `dtype`: the torch engine's (`placement`);
+    `working_set`: bytes a round may keep on the accelerator (torch engine, cg / mn; 0: unbounded)."""
     import torch
 
     from draftexpert.runtime.checkpoint import weights_fingerprint
@@ -223,20 +225,23 @@ def make_decoder(model: str, folder: Path, method: str, platform: str, expert_ty
     if engine == "llama.cpp":
         if compile:
             raise ValueError("--compile applies to the torch engine only")
-        if device is not None or dtype != "fp32":
-            raise ValueError("--device / --dtype apply to the torch engine (llama.cpp runs the expert file's types)")
+        if device is not None or dtype != "fp32" or working_set:
+            raise ValueError("--device / --dtype / --working-set apply to the torch engine (llama.cpp runs the "
+                             "expert file's types and stages through the page cache)")
         decoder, tokenizer, cfg = make_llama_decoder(model, folder, method, platform, expert_type, expert_file, spec,
                                                      torch.get_num_threads(), max_new_tokens, temperature, staging)
     else:
         decoder, tokenizer, cfg = _make_torch_decoder(model, folder, method, platform, expert_type, cache_experts,
                                                       staging_budget, temperature, seed, max_new_tokens, expert_file,
-                                                      spec, compile, staging, resident_from_file, device, dtype)
+                                                      spec, compile, staging, resident_from_file, device, dtype,
+                                                      working_set)
     cfg.weights = weights_fingerprint(folder)  # results of other weights are other cells
     return decoder, tokenizer, cfg
 
 
 def _make_torch_decoder(model, folder, method, platform, expert_type, cache_experts, staging_budget, temperature,
-                        seed, max_new_tokens, expert_file, spec, compile, staging, resident_from_file, device, dtype):
+                        seed, max_new_tokens, expert_file, spec, compile, staging, resident_from_file, device, dtype,
+                        working_set):
     import torch
 
     if staging != "demand":
@@ -244,9 +249,11 @@ def _make_torch_decoder(model, folder, method, platform, expert_type, cache_expe
     store = "resident" if method == "reference" else PLATFORMS[platform]
     device, dtype = placement(platform, method, device, dtype)
     torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    if working_set and store == "resident":
+        raise ValueError("--working-set bounds what a round moves to the accelerator: platforms cg and mn")
     _fits(folder, "resident" if method == "reference" else platform, device == "cuda", expert_type,
           1 if method in ("ar", "reference") else spec.round.k_max + 1,
-          torch_dtype.itemsize)  # before anything is loaded
+          torch_dtype.itemsize, working_set)  # before anything is loaded
 
     tokenizer = _tokenizer(folder)
     if method == "reference":
@@ -263,10 +270,12 @@ def _make_torch_decoder(model, folder, method, platform, expert_type, cache_expe
     from_file = store == "flash" or (store == "resident" and resident_from_file)
     gguf = expert_file(expert_type) if from_file else None
     target = build_model(folder, store, device=device, dtype=torch_dtype, gguf_path=gguf, cache_experts=cache_experts,
-                         staging_budget_bytes=staging_budget)
+                         staging_budget_bytes=staging_budget, working_set_bytes=working_set)
     args = {"store": store, "device": device, "cache_experts": cache_experts}
     if dtype != "fp32":  # recorded only then, so fp32 cells keep their keys
         args["dtype"] = dtype
+    if working_set:
+        args["working_set"] = working_set
     if store == "resident" and from_file:  # recorded only then, so checkpoint-resident cells keep their keys
         args["expert_type"] = expert_type
     if compile:  # recorded only when on, so earlier eager cells keep their keys

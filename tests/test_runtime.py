@@ -305,3 +305,26 @@ def test_a_block_forward_reads_back_once_per_moe_layer(checkpoint, monkeypatch):
     calls.update(tolist=0)
     assert layer_experts(model.last_routing) and calls["tolist"] == 1
     model.experts.close()
+
+
+@pytest.mark.parametrize("store", ["host", "flash"])
+def test_a_bounded_working_set_stays_exact_and_within_its_bytes(checkpoint, store):
+    """--working-set: a round keeps at most that many bytes of experts on the accelerator (the least
+    recently used dropped, reloaded on demand; prefetch holds back) — the same tokens, more loads."""
+    from draftexpert.speculation.drafters import make_draft_path
+    from draftexpert.speculation.round import SpecConfig, SpeculativeDecoder
+
+    _, folder, gguf = checkpoint
+    conf = SpecConfig(k_max=4, truncate=False, prefetch=True)
+    runs = {}
+    for budget in (0, 12):  # 12 experts: below one round's union, above one layer's block of 5 × top-4
+        model = build_model(folder, store, gguf_path=gguf, dtype=torch.float64)
+        one = 3 * model.cfg.hidden * model.cfg.moe_inter * 8
+        model.experts.working_set_bytes = budget * one
+        dec = SpeculativeDecoder(TorchEngine(model, make_draft_path(model, "top-r", r=1)), conf)
+        out = [dec.generate(ids.tolist(), 24) for ids in PROMPTS[:4]]
+        runs[budget] = ([o.tokens for o in out], sum(o.stats["ledger"]["total"]["loads"] for o in out),
+                        model.experts.peak_block_bytes / one)
+        dec.close()
+    (free_tokens, free_loads, free_peak), (tokens, loads, peak) = runs[0], runs[12]
+    assert tokens == free_tokens and free_peak > 12 >= peak and loads > free_loads, (free_peak, peak, free_loads, loads)

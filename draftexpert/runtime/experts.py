@@ -38,14 +38,19 @@ class ExpertStore:
     name = "base"
 
     def __init__(self, device: torch.device | str = "cpu", cache_experts: int = 0, ledger: Ledger | None = None,
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, working_set_bytes: int = 0):
         self.device = torch.device(device)
         self.dtype = dtype
         self.capacity = cache_experts
         self.cache: OrderedDict[Key, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
         self.inflight: dict[Key, object] = {}
-        self.block: dict[Key, tuple[torch.Tensor, torch.Tensor]] | None = None  # open draft → verify round
+        self.block: OrderedDict[Key, tuple[torch.Tensor, torch.Tensor]] | None = None  # open draft → verify round
         self.ledger = ledger or Ledger()
+        # a round's working set on the accelerator, in bytes (0: unbounded): past it, the round's least
+        # recently used experts are dropped (reloaded on demand if needed again) and prefetch holds back
+        self.working_set_bytes = working_set_bytes
+        self.block_bytes = self.peak_block_bytes = 0
+        self._one_expert = 0  # accelerator bytes of one loaded expert (learned from the first load)
 
     # -- what a store implements --------------------------------------------------------
     def expert_bytes(self, key: Key) -> int:
@@ -65,14 +70,34 @@ class ExpertStore:
         """Open a draft → verify round: experts moved to the accelerator during the round stay
         there until `end_block` (the round's working set — Algorithm 1's C ∪ P), so a verifier
         reuses what the drafter or a prefetch already moved. Nothing outlives the round unless
-        the LRU cache keeps it."""
-        self.block = {}
+        the LRU cache keeps it — and, with `working_set_bytes`, no more than that many bytes."""
+        self.block = OrderedDict()
+        self.block_bytes = 0
 
     def end_block(self) -> None:
         """Close the round. Unfinished prefetches are dropped unwaited (their bytes were issued:
         waste if verification did not use them)."""
         self.block = None
+        self.block_bytes = 0
         self.inflight.clear()
+
+    def _hold(self, key: Key, w) -> None:
+        """Keep a loaded expert in the round's block, within the working-set budget (LRU out)."""
+        b = sum(t.numel() * t.element_size() for t in w)
+        self._one_expert = b
+        if self.working_set_bytes:
+            while self.block and self.block_bytes + b > self.working_set_bytes:
+                _, old = self.block.popitem(last=False)
+                self.block_bytes -= sum(t.numel() * t.element_size() for t in old)
+        self.block[key] = w
+        self.block_bytes += b
+        self.peak_block_bytes = max(self.peak_block_bytes, self.block_bytes)
+
+    def _room_for_prefetch(self) -> bool:
+        """Whether one more prefetch fits beside the round's block and the loads in flight."""
+        if not self.working_set_bytes or not self._one_expert:
+            return True
+        return self.block_bytes + (len(self.inflight) + 1) * self._one_expert <= self.working_set_bytes
 
     def resident_keys(self) -> set[Key]:
         """Keys on the accelerator now without a pending load (cache ∪ the round's finished loads)."""
@@ -88,6 +113,8 @@ class ExpertStore:
         for e in experts:
             key = (layer, e)
             if not self._available(key):
+                if not self._room_for_prefetch():
+                    break  # the working set is full: the rest load on demand if verification needs them
                 self.inflight[key] = self._start(key)
                 self.ledger.record_prefetch(1, self.expert_bytes(key))
                 started.append(e)
@@ -113,6 +140,7 @@ class ExpertStore:
                 self.cache.move_to_end(key)
                 ready[e] = self.cache[key]
             elif self.block is not None and key in self.block:
+                self.block.move_to_end(key)
                 ready[e] = self.block[key]
         stall = 0.0
         for e in experts:
@@ -123,7 +151,7 @@ class ExpertStore:
                 stall += time.perf_counter() - t0
                 self._remember(key, w)
                 if self.block is not None:
-                    self.block[key] = w
+                    self._hold(key, w)
             yield ready[e]
         self.ledger.record(layer, len(experts), len(missing), nbytes, stall)
 

@@ -126,14 +126,15 @@ STORED_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}  # a config's torch_d
 
 
 def plan(cfg: dict, platform: str, cuda: bool, dtype_bytes: int = 4, expert_type: str = "q4_0", positions: int = 5,
-         context: int = 2048) -> dict:
+         context: int = 2048, working_set_bytes: int = 0) -> dict:
     """Where a lean model's bytes go on `platform`, from the config alone, as the runtime holds
     them (`build_model`: computing in `dtype_bytes`, fp32 = 4). Keys, in bytes:
       accelerator_weights  non-routed weights (+ every routed expert when resident)
       kv_cache             MLA cache for `context` positions (c_kv and k_pe per layer)
       working_set          experts a cold round may stage at once: `positions` (AR 1, speculation
                            K_max + 1) × top-k per MoE layer (at most every expert), in the compute
-                           dtype — the round keeps them until it ends (not yet bounded)
+                           dtype — the round keeps them until it ends, at most `working_set_bytes`
+                           when given (`--working-set`: past it the round reloads on demand)
       host_pool            cg: the routed pool in host memory, in the checkpoint's dtype (the
                            config's torch_dtype; narrower compute narrows it), one exact-size
                            buffer; `host_pinned` the same bytes page-locked in place on CUDA
@@ -165,6 +166,11 @@ def plan(cfg: dict, platform: str, cuda: bool, dtype_bytes: int = 4, expert_type
     if platform == "mn":
         p["storage"] = int(b.routed_experts * EXPERT_FILE_BYTES[expert_type])
         p["conversion_peak"] = int(E * expert * (1.5 * 4 + EXPERT_FILE_BYTES[expert_type]))
+    if working_set_bytes and platform != "resident":  # never below what one layer's forward holds at once
+        p["working_set"] = min(p["working_set"], max(working_set_bytes, min(E, positions * k) * expert * dtype_bytes))
+        p["working_set_one_position"] = min(p["working_set_one_position"],
+                                            max(working_set_bytes, min(E, k) * expert * dtype_bytes))
+    p["working_set_budget"] = working_set_bytes
     for suffix, ws in (("", p["working_set"]), ("_least", p["working_set_one_position"])):
         device = p["accelerator_weights"] + p["kv_cache"] + ws
         host = p["host_pool"] + p["host_load_transient"]
@@ -187,5 +193,6 @@ def check_fits(p: dict, host_bytes: int | None, accelerator_bytes: int | None = 
     for mem, have in (("host", host_bytes), ("accelerator", accelerator_bytes)):
         if have is not None and p[mem] > headroom * have:
             return (f"a round that stages new experts at every position may need {gib(p[mem])} of {mem} memory "
-                    f"({gib(have)} available): truncation (the default) or a lower --k-max keeps it smaller")
+                    f"({gib(have)} available): --working-set bounds it (past the bound a round reloads on demand); "
+                    "truncation (the default) or a lower --k-max keeps it smaller")
     return None
