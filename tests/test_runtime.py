@@ -328,3 +328,27 @@ def test_a_bounded_working_set_stays_exact_and_within_its_bytes(checkpoint, stor
         dec.close()
     (free_tokens, free_loads, free_peak), (tokens, loads, peak) = runs[0], runs[12]
     assert tokens == free_tokens and free_peak > 12 >= peak and loads > free_loads, (free_peak, peak, free_loads, loads)
+
+
+def test_the_ledger_times_gpu_waits_with_their_events():
+    """On CUDA the compute stream waits on a copy's event (the host does not block): the ledger adds
+    done − needed of each wait (never negative) to the forward's and the layer's stall when it ends."""
+    from draftexpert.runtime.ledger import Ledger
+
+    class Event:  # the two methods of torch.cuda.Event the ledger uses, with a clock in ms
+        def __init__(self, t):
+            self.t = t
+
+        def elapsed_time(self, end):
+            return end.t - self.t
+
+    ledger, syncs = Ledger(), []
+    ledger._sync = lambda: syncs.append(1)
+    ledger.record_gpu_wait(3, Event(0.0), Event(9.0))  # outside a forward: not counted
+    with ledger.forward("verify", 4):
+        ledger.record(3, 6, 6, 100, 0.0)
+        ledger.record_gpu_wait(3, Event(10.0), Event(12.5))  # the copy landed 2.5 ms after it was needed
+        ledger.record_gpu_wait(4, Event(20.0), Event(19.0))  # landed before: no stall
+    rec = ledger.forwards[-1]
+    assert rec.stall_s == pytest.approx(0.0025) and rec.per_layer[3]["stall_s"] == pytest.approx(0.0025)
+    assert rec.per_layer[4]["stall_s"] == 0 and len(syncs) == 2  # clocks synchronised at start and end

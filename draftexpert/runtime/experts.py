@@ -46,6 +46,8 @@ class ExpertStore:
         self.inflight: dict[Key, object] = {}
         self.block: OrderedDict[Key, tuple[torch.Tensor, torch.Tensor]] | None = None  # open draft → verify round
         self.ledger = ledger or Ledger()
+        if self.device.type == "cuda":
+            self.ledger.use_cuda(self.device)
         # a round's working set on the accelerator, in bytes (0: unbounded): past it, the round's least
         # recently used experts are dropped (reloaded on demand if needed again) and prefetch holds back
         self.working_set_bytes = working_set_bytes
@@ -57,8 +59,9 @@ class ExpertStore:
         """Bytes moved to load one expert from this store."""
         raise NotImplementedError
 
-    def _start(self, key: Key):
-        """Begin loading one expert without blocking; return a handle."""
+    def _start(self, key: Key, demand: bool = True):
+        """Begin loading one expert without blocking; return a handle. `demand`: a forward waits for
+        it now (else a prefetch: a store may queue it behind demand loads)."""
         raise NotImplementedError
 
     def _finish(self, handle) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,7 +118,7 @@ class ExpertStore:
             if not self._available(key):
                 if not self._room_for_prefetch():
                     break  # the working set is full: the rest load on demand if verification needs them
-                self.inflight[key] = self._start(key)
+                self.inflight[key] = self._start(key, demand=False)
                 self.ledger.record_prefetch(1, self.expert_bytes(key))
                 started.append(e)
         return started
@@ -239,7 +242,9 @@ class HostStore(ExpertStore):
         else:  # host pool: per-layer [E, 2I, H] / [E, H, I], contiguous so one expert is one copy each
             self.gate_up = {k: (v.contiguous().pin_memory() if cuda else v.contiguous()) for k, v in gate_up.items()}
             self.down = {k: (v.contiguous().pin_memory() if cuda else v.contiguous()) for k, v in down.items()}
-        self.stream = torch.cuda.Stream(self.device) if cuda else None
+        # two copy streams: a forward's demand loads (high priority) never queue behind a round's prefetches
+        self.stream = torch.cuda.Stream(self.device, priority=-1) if cuda else None
+        self.prefetch_stream = torch.cuda.Stream(self.device) if cuda else None
         self.worker = None if cuda else ThreadPoolExecutor(1, thread_name_prefix="h2d")  # the "copy stream"
 
     def expert_bytes(self, key):
@@ -255,22 +260,27 @@ class HostStore(ExpertStore):
             out.append(dev if dev.dtype == self.dtype else dev.to(self.dtype))
         return tuple(out)
 
-    def _start(self, key):
+    def _start(self, key, demand=True):
         if self.stream is None:
             return self.worker.submit(self._copy, key)
-        with torch.cuda.stream(self.stream):
+        stream = self.stream if demand else self.prefetch_stream
+        with torch.cuda.stream(stream):
             w = self._copy(key)
-            ev = torch.cuda.Event()
-            ev.record(self.stream)
-        return w, ev
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record(stream)
+        return key, w, ev
 
     def _finish(self, handle):
         if isinstance(handle, Future):
             return handle.result()
-        w, ev = handle
-        ev.synchronize()  # the host waits: this is the stall the ledger measures
-        for t in w:  # tensors made on the copy stream are used on the compute stream
-            t.record_stream(torch.cuda.current_stream(self.device))
+        key, w, ev = handle
+        compute = torch.cuda.current_stream(self.device)
+        needed = torch.cuda.Event(enable_timing=True)
+        needed.record(compute)
+        compute.wait_event(ev)  # the GPU waits, not the host: the ledger times the wait with the two events
+        self.ledger.record_gpu_wait(key[0], needed, ev)
+        for t in w:  # tensors made on a copy stream are used on the compute stream
+            t.record_stream(compute)
         return w
 
     def close(self):
@@ -278,6 +288,7 @@ class HostStore(ExpertStore):
             self.worker.shutdown(wait=True)
         if self.stream is not None:
             self.stream.synchronize()  # no copy may still read the pool when it is unpinned
+            self.prefetch_stream.synchronize()
         if self.pool is not None:
             self.pool.unpin()
 
@@ -307,7 +318,7 @@ class FlashStore(ExpertStore):
         keep = self.file.stage_copy(raw) if self.budget > 0 and staged is None else None
         return self.file.dequantize(raw, self.device, self.dtype), keep
 
-    def _start(self, key):
+    def _start(self, key, demand=True):
         staged = self.staged.get(key)
         if staged is not None:
             self.staged.move_to_end(key)

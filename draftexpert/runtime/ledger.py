@@ -5,8 +5,9 @@ Per forward (one call of the model on T tokens), with phase ∈ {prefill, ar, dr
   loads       of those, the ones not on the accelerator and moved there         (cache / in-flight misses)
   hits        requested − loads: already resident, cached, or prefetched
   bytes       bytes read from the expert store for those loads (file bytes on flash: Q4_0 is 4.5 bits/weight)
-  stall_s     wall seconds the forward waited for loads to finish
-  wall_s      wall seconds of the forward
+  stall_s     seconds the forward waited for loads to finish (on CUDA: the compute stream's wait on
+              each expert's copy event, timed by CUDA events — the host does not block)
+  wall_s      wall seconds of the forward (on CUDA: from a synchronised start to a synchronised end)
   per_layer   the same counters for each MoE layer
 Prefetch (speculation; outside any forward):
   issued      loads started by draft-router prefetch                 bytes: their bytes
@@ -45,19 +46,45 @@ class Ledger:
         self.forwards: list[ForwardRecord] = []
         self._current: ForwardRecord | None = None
         self.prefetch = dict.fromkeys(PREFETCH_COUNTERS, 0)
+        self._sync = None  # the device's synchronize (CUDA), so wall clocks cover the device's work
+        self._gpu_waits: list[tuple[int, object, object]] = []  # (layer, needed-at event, copy-done event)
+
+    def use_cuda(self, device) -> None:
+        import torch
+
+        self._sync = lambda: torch.cuda.synchronize(device)
 
     @contextmanager
     def forward(self, phase: str, tokens: int):
-        """Wrap one model forward; expert stores report into it through `record`."""
+        """Wrap one model forward; expert stores report into it through `record` (and, on CUDA,
+        `record_gpu_wait`, settled when the forward's work is done)."""
         rec = ForwardRecord(phase, tokens)
         self._current = rec
+        if self._sync:
+            self._sync()  # the previous work is not this forward's
         t0 = time.perf_counter()
         try:
             yield rec
         finally:
+            if self._sync:
+                self._sync()
+                self._settle(rec)
             rec.wall_s = time.perf_counter() - t0
             self._current = None
             self.forwards.append(rec)
+
+    def record_gpu_wait(self, layer: int, needed, done) -> None:
+        """The compute stream waits on a copy: `needed` recorded on it where it needs the expert,
+        `done` on the copy stream when the copy ends (both timing events); stall = done − needed."""
+        if self._current is not None:  # as `record`: outside a ledgered forward nothing is counted
+            self._gpu_waits.append((layer, needed, done))
+
+    def _settle(self, rec: ForwardRecord) -> None:
+        for layer, needed, done in self._gpu_waits:
+            stall = max(0.0, needed.elapsed_time(done) / 1e3)
+            rec.stall_s += stall
+            rec.per_layer[layer]["stall_s"] += stall
+        self._gpu_waits.clear()
 
     def record(self, layer: int, requested: int, loads: int, nbytes: int, stall_s: float) -> None:
         rec = self._current

@@ -288,7 +288,7 @@ class MoEModel:
 
     def moe(self, x: torch.Tensor, h: torch.Tensor, i: int, w, idx, path, phase: str) -> torch.Tensor:
         """x + the MoE of h [T, H]: a loop over the unique experts the tokens chose (never over
-        tokens), each fetched from the store once and run on all its tokens."""
+        tokens), each fetched from the store once and run on all its tokens as soon as it lands."""
         (gate_up, down), w, idx = self.moe_experts(i, w, idx, path)
         if h.shape[0] == 1:  # decoding: r distinct experts, no gather / scatter needed
             chosen = idx[0].tolist()
@@ -302,7 +302,8 @@ class MoEModel:
         unique, counts = torch.stack([unique, counts]).tolist()  # the layer's one host sync: what to fetch
         self.last_fetched[i] = unique
         start = 0
-        for n, (gu, dn) in zip(counts, self.experts.fetch(i, unique, phase)):
+        for j, (gu, dn) in enumerate(self.experts.fetch_iter(i, unique, phase)):  # each computes as it lands
+            n = counts[j]
             rows = order[start:start + n]
             tok, slot = rows // r, rows % r  # the tokens that chose this expert
             out.index_add_(0, tok, self.mlp(h[tok], gu, dn) * w[tok, slot, None])
