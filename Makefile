@@ -39,13 +39,12 @@ reproduce: $(STAMP)
 		echo "the corpus could not be built (package registries unreachable?): Table 5 will be skipped"
 	$(BIN)/bench reproduce
 
-# The prepared check for a machine with a CUDA GPU (install a CUDA torch first, see README): every
-# store's exactness on the GPU, then host→GPU expert loads against the GPU's own copy bandwidth.
-gpu-check: $(STAMP)
-	$(BIN)/python -c "import torch; assert torch.cuda.is_available(), 'gpu-check: torch sees no CUDA device'; print(torch.cuda.get_device_name())"
-	DRAFTEXPERT_TEST_DEVICE=cuda $(BIN)/python -m pytest tests/test_runtime.py -k every_store
-	$(BIN)/bench speed host --model ds-tiny --repeats 50
-	$(BIN)/bench speed overhead --model ds-tiny --threads 1 --eager
+# The prepared check for a machine with a CUDA GPU: the machine's own python3, torch and transformers, no
+# install and no network (scripts/gpu_check.py: exactness of cg on the GPU, host-store transfers vs one copy).
+# On a machine with the suite installed, `DRAFTEXPERT_TEST_DEVICE=cuda .venv/bin/python -m pytest
+# tests/test_runtime.py` runs the runtime tests on the GPU too.
+gpu-check:
+	PYTHONPATH=. python3 scripts/gpu_check.py --device cuda --out gpu_check.json
 
 clean-venv:
 	rm -rf $(VENV)

@@ -1,0 +1,173 @@
+"""The prepared GPU check: cg's path on a bare CUDA machine, in a few minutes.
+
+    PYTHONPATH=. python3 scripts/gpu_check.py [--device cuda] [--out gpu_check.json]
+
+Needs only the machine's own torch and transformers (DeepseekV2/V3) and safetensors — no install
+step, no network, no `bench` (its CLI dependencies), no committed weights: random-weight models
+are built on the spot, so a code-only copy of `draftexpert/`, `baselines/` and `scripts/` (about
+1 MB: `git archive HEAD draftexpert baselines scripts`) is enough.
+
+Checks (exit 1 if any fails):
+  exactness   on the device, for a V2 and a V3 model: AR on the host store (pinned pool, copy
+              streams, events) = AR resident; top-r (fixed K) and DraftExpert (random draft expert,
+              truncation + prefetch, a bounded working set) = AR, token for token, in fp32; the
+              compiled one-token step = eager; T > 0 reproducible per seed (CPU generators);
+              bf16: host = resident (the same model), speculation's agreement with AR reported
+              (bf16 rounds a verify block and a one-token step differently).
+  transfer    a DS-V2-Lite layer's 6 experts (17.3 MB each, bf16) through the host store against
+              one copy of the same bytes from pinned memory; pinned bytes vs data bytes.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from baselines.ar import AROffloadDecoder  # noqa: E402
+from draftexpert.engines.torch_engine import TorchEngine  # noqa: E402
+from draftexpert.runtime.experts import HostPool, HostStore  # noqa: E402
+from draftexpert.runtime.loader import build_model  # noqa: E402
+from draftexpert.speculation.drafters import DraftExperts, make_draft_path  # noqa: E402
+from draftexpert.speculation.round import SpecConfig, SpeculativeDecoder  # noqa: E402
+
+DIMS = dict(vocab_size=512, hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=4,
+            first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=32,
+            n_shared_experts=2, num_experts_per_tok=6, q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16,
+            qk_rope_head_dim=8, v_head_dim=16, n_group=1, topk_group=1)
+PROMPTS = [[(7 * i + 3 * j) % 500 + 1 for j in range(n)] for i, n in enumerate((5, 9, 14, 3))]
+NEW = 32
+DS_LAYER = dict(experts=6, hidden=2048, inter=1408)  # DS-V2-Lite: hidden 2048, moe_intermediate 1408, top-6
+
+
+def random_checkpoint(folder: Path, version: str) -> Path:
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
+
+    torch.manual_seed(0)
+    if version == "v2":
+        model = DeepseekV2ForCausalLM(DeepseekV2Config(**DIMS, topk_method="greedy"))
+    else:
+        model = DeepseekV3ForCausalLM(DeepseekV3Config(**DIMS, norm_topk_prob=True, routed_scaling_factor=2.5))
+        for layer in model.model.layers[1:]:
+            layer.mlp.gate.e_score_correction_bias.normal_(0, 0.05)
+    out = folder / version
+    model.save_pretrained(out)
+    return out
+
+
+def decode(decoder, prompts=PROMPTS, new=NEW) -> list[list[int]]:
+    out = [decoder.generate(list(p), new).tokens for p in prompts]
+    decoder.close()
+    return out
+
+
+def speculative(model, method: str, conf: SpecConfig):
+    cfg = model.cfg
+    experts = None
+    if method == "draftexpert":
+        experts = DraftExperts.random(list(range(cfg.first_dense, cfg.layers)), cfg.hidden, cfg.moe_inter,
+                                      dtype=model.embed.dtype)
+    return SpeculativeDecoder(TorchEngine(model, make_draft_path(model, method, r=1, experts=experts)), conf)
+
+
+def exactness(folder: Path, device: str) -> dict:
+    checks, notes = {}, {}
+    f32 = torch.float32
+    resident = decode(AROffloadDecoder(TorchEngine(build_model(folder, "resident", device=device, dtype=f32))))
+    host = lambda **kw: build_model(folder, "host", device=device, dtype=kw.pop("dtype", f32), **kw)  # noqa: E731
+    checks["ar host = ar resident"] = decode(AROffloadDecoder(TorchEngine(host()))) == resident
+    fixed = SpecConfig(k_max=4, truncate=False, prefetch=False)
+    checks["top-1 fixed K = ar"] = decode(speculative(host(), "top-r", fixed)) == resident
+    de = SpecConfig(k_max=4, truncate=True, prefetch=True)
+    checks["draftexpert truncate+prefetch = ar"] = decode(speculative(host(), "draftexpert", de)) == resident
+    one = 3 * DIMS["hidden_size"] * DIMS["moe_intermediate_size"] * 4
+    checks["draftexpert, working set 10 experts = ar"] = decode(
+        speculative(host(working_set_bytes=10 * one), "draftexpert", de)) == resident
+    compiled = host()
+    compiled.compile_decode()
+    checks["compiled ar = eager ar"] = decode(AROffloadDecoder(TorchEngine(compiled))) == resident
+    sampled = [decode(speculative(host(), "draftexpert", SpecConfig(k_max=4, temperature=0.8, seed=s)), PROMPTS[:2])
+               for s in (1, 1, 2)]
+    checks["T > 0 reproducible per seed"] = sampled[0] == sampled[1]
+    notes["T > 0: another seed, other tokens"] = sampled[0] != sampled[2]
+    bf16_res = decode(AROffloadDecoder(TorchEngine(build_model(folder, "resident", device=device,
+                                                               dtype=torch.bfloat16))))
+    checks["bf16: ar host = ar resident"] = decode(AROffloadDecoder(TorchEngine(host(dtype=torch.bfloat16)))) == bf16_res
+    spec_bf16 = decode(speculative(host(dtype=torch.bfloat16), "draftexpert", de))
+    notes["bf16: draftexpert prompts equal to ar"] = f"{sum(a == b for a, b in zip(spec_bf16, bf16_res))}/{len(PROMPTS)}"
+    return {"checks": checks, "notes": notes}
+
+
+def _median_s(fn, repeats: int, sync) -> float:
+    times = []
+    for _ in range(repeats):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def transfer(device: str, repeats: int = 20) -> dict:
+    """A DS-V2-Lite layer's 6 experts through the host store vs one copy of as many bytes."""
+    cuda = device == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    pool = HostPool([1], DS_LAYER["experts"], DS_LAYER["hidden"], DS_LAYER["inter"], torch.bfloat16)
+    pool.flat.normal_()
+    store = HostStore(pool.gate_up, pool.down, pool=pool, device=device, dtype=torch.bfloat16)
+    experts = list(range(DS_LAYER["experts"]))
+    store.fetch(1, experts)  # warm-up: streams, allocator
+    with store.ledger.forward("ar", 1):
+        store_s = _median_s(lambda: store.fetch(1, experts), repeats, sync)
+    src = torch.empty(pool.nbytes, dtype=torch.uint8, pin_memory=cuda)
+    dst = torch.empty(pool.nbytes, dtype=torch.uint8, device=device)
+    dst.copy_(src, non_blocking=True)
+    copy_s = _median_s(lambda: dst.copy_(src, non_blocking=True), repeats, sync)
+    pinned = pool.flat.is_pinned() if cuda else False
+    store.close()
+    data = DS_LAYER["experts"] * 3 * DS_LAYER["hidden"] * DS_LAYER["inter"] * 2
+    return {"bytes": data, "pool_bytes": pool.nbytes, "pool_pinned": pinned,
+            "torch_pinned_allocator_would_take": 1 << (data - 1).bit_length(),
+            "host_store_s": store_s, "one_copy_s": copy_s, "host_store_gb_s": data / store_s / 1e9,
+            "one_copy_gb_s": data / copy_s / 1e9, "efficiency": copy_s / store_s}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("gpu_check: torch sees no CUDA device (use --device cpu to run the same checks on the CPU)",
+              file=sys.stderr)
+        return 2
+    t0 = time.perf_counter()
+    import transformers
+
+    report = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+              "torch": torch.__version__, "transformers": transformers.__version__, "models": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        for version in ("v2", "v3"):
+            report["models"][version] = exactness(random_checkpoint(Path(tmp), version), args.device)
+            print(f"{version}: {json.dumps(report['models'][version])}", file=sys.stderr, flush=True)
+    report["transfer"] = transfer(args.device)
+    report["seconds"] = time.perf_counter() - t0
+    failed = [f"{v}: {name}" for v, r in report["models"].items() for name, ok in r["checks"].items() if not ok]
+    report["failed"] = failed
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.out:
+        args.out.write_text(text + "\n")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
