@@ -1,0 +1,232 @@
+"""The full-scale check (a benchmark script, not a test): a DS-V2-Lite-shaped checkpoint of random
+bf16 weights (the real config, Hugging Face layout, per-expert tensors, ~4 GB shards: 31.4 GB)
+through the user's own commands under a memory cap, then everything it wrote deleted.
+
+    python scripts/full_scale.py --dir /a/disk/with/70GB [--mem-cap 18GiB] [--types q4_0,bf16] [--tokens 4] [--keep]
+
+For each expert type (one at a time: its expert file is deleted before the next is written) it runs
+`bench run --model ds --model-path DIR --platform mn --expert-type T --method ar|draftexpert
+--engine torch|llama.cpp` on one GSM8K prompt in a child process placed in a memory cgroup
+(v1 `memory.limit_in_bytes` or v2 `memory.max`; root), and prints wall seconds, the child's peak
+RSS and the group's peak (RSS + page cache it charged), tok/s and the loading share from the
+records; then cg's plan for the paper's host (`bench plan --model ds --platform cg --host-mem
+64GiB --gpu-mem 24GiB`) and a 24 GiB one. DraftExpert runs the zero draft expert (= shared+top-1:
+ds has no distilled draft experts). The first run of a type includes writing its expert file.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SHARD_BYTES = 4 << 30
+
+
+def tensor_shapes(cfg: dict) -> list[tuple[str, tuple[int, ...]]]:
+    """DeepSeek-V2(-Lite)'s tensor names and shapes as its safetensors checkpoint holds them."""
+    H, V, L = cfg["hidden_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
+    heads, nope, rope, vdim = (cfg["num_attention_heads"], cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"],
+                               cfg["v_head_dim"])
+    kv, E, I = cfg["kv_lora_rank"], cfg["n_routed_experts"], cfg["moe_intermediate_size"]
+    S = I * cfg["n_shared_experts"]
+    out = [("model.embed_tokens.weight", (V, H))]
+    for i in range(L):
+        p = f"model.layers.{i}."
+        out += [(p + "input_layernorm.weight", (H,)), (p + "post_attention_layernorm.weight", (H,)),
+                (p + "self_attn.q_proj.weight", (heads * (nope + rope), H)),
+                (p + "self_attn.kv_a_proj_with_mqa.weight", (kv + rope, H)),
+                (p + "self_attn.kv_a_layernorm.weight", (kv,)),
+                (p + "self_attn.kv_b_proj.weight", (heads * (nope + vdim), kv)),
+                (p + "self_attn.o_proj.weight", (H, heads * vdim))]
+        if i < cfg["first_k_dense_replace"]:
+            D = cfg["intermediate_size"]
+            out += [(p + "mlp.gate_proj.weight", (D, H)), (p + "mlp.up_proj.weight", (D, H)),
+                    (p + "mlp.down_proj.weight", (H, D))]
+            continue
+        out += [(p + "mlp.gate.weight", (E, H)), (p + "mlp.shared_experts.gate_proj.weight", (S, H)),
+                (p + "mlp.shared_experts.up_proj.weight", (S, H)), (p + "mlp.shared_experts.down_proj.weight", (H, S))]
+        for e in range(E):
+            q = f"{p}mlp.experts.{e}."
+            out += [(q + "gate_proj.weight", (I, H)), (q + "up_proj.weight", (I, H)), (q + "down_proj.weight", (H, I))]
+    return out + [("model.norm.weight", (H,)), ("lm_head.weight", (V, H))]
+
+
+def write_checkpoint(folder: Path, config: Path, log) -> int:
+    """The random checkpoint of `config`, shard by shard (one shard in memory); returns its bytes."""
+    import torch
+    from safetensors.torch import save_file
+
+    cfg = json.loads(config.read_text())
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(cfg, indent=2))
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):  # any tokenizer serves random weights
+        if (REPO / "models" / "ds-tiny" / f).exists():
+            shutil.copy(REPO / "models" / "ds-tiny" / f, folder / f)
+    g = torch.Generator().manual_seed(0)
+    shapes = tensor_shapes(cfg)
+    shard, size, n, weight_map, total = {}, 0, 0, {}, 0
+    names = []
+
+    def flush():
+        nonlocal shard, size, n
+        n += 1
+        name = f"model-{n:05d}.safetensors"
+        save_file(shard, folder / name, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, name))
+        names.append(name)
+        log(f"  shard {n}: {size / 2**30:.2f} GiB")
+        shard, size = {}, 0
+
+    for key, shape in shapes:
+        t = torch.ones(shape, dtype=torch.bfloat16) if key.endswith("norm.weight") else \
+            (torch.randn(shape, generator=g) * 0.02).to(torch.bfloat16)
+        shard[key] = t
+        size += t.nbytes
+        total += t.nbytes
+        if size >= SHARD_BYTES:
+            flush()
+    if shard:
+        flush()
+    renamed = {}  # the Hugging Face names: model-0000k-of-0000n.safetensors
+    for i, old in enumerate(names, 1):
+        new = f"model-{i:05d}-of-{len(names):05d}.safetensors"
+        (folder / old).rename(folder / new)
+        renamed[old] = new
+    index = {"metadata": {"total_size": total}, "weight_map": {k: renamed[v] for k, v in weight_map.items()}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+    return total
+
+
+class MemoryCap:
+    """A memory cgroup (v1 or v2) the child runs are placed in; root only."""
+
+    def __init__(self, limit: int):
+        v1, v2 = Path("/sys/fs/cgroup/memory"), Path("/sys/fs/cgroup")
+        if (v1 / "memory.limit_in_bytes").exists():
+            self.group, self.v1 = v1 / f"draftexpert-fullscale-{os.getpid()}", True
+        elif (v2 / "cgroup.controllers").exists() and "memory" in (v2 / "cgroup.controllers").read_text():
+            self.group, self.v1 = v2 / f"draftexpert-fullscale-{os.getpid()}", False
+        else:
+            raise SystemExit("no memory cgroup controller here: run without --mem-cap, or as root on cgroup v1/v2")
+        try:
+            self.group.mkdir()
+            (self.group / ("memory.limit_in_bytes" if self.v1 else "memory.max")).write_text(str(limit))
+        except OSError as e:
+            raise SystemExit(f"cannot create the memory cgroup {self.group} ({e.strerror}): run as root") from None
+
+    def reset_peak(self) -> None:
+        if self.v1:
+            (self.group / "memory.max_usage_in_bytes").write_text("0")
+
+    def peak(self) -> int | None:
+        f = self.group / ("memory.max_usage_in_bytes" if self.v1 else "memory.peak")
+        return int(f.read_text()) if f.exists() else None
+
+    def enter(self) -> None:  # in the child, before exec
+        (self.group / "cgroup.procs").write_text(str(os.getpid()))
+
+    def close(self) -> None:
+        try:
+            self.group.rmdir()
+        except OSError:
+            pass
+
+
+def run_child(args: list[str], cap: MemoryCap | None, env: dict, scratch: Path) -> dict:
+    """One command in the memory cap: rc, wall seconds, its peak RSS (wait4), the group's peak."""
+    if cap:
+        cap.reset_peak()
+    scratch.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    with open(scratch / "stdout", "wb") as out, open(scratch / "stderr", "wb") as err:
+        proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=out, stderr=err,
+                                preexec_fn=cap.enter if cap else None)
+        _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    return {"rc": proc.returncode, "seconds": time.perf_counter() - t0, "stdout": (scratch / "stdout").read_text(),
+            "stderr": (scratch / "stderr").read_text(), "peak_rss": usage.ru_maxrss * 1024,
+            "group_peak": cap.peak() if cap else None}
+
+
+def parse_size(text: str) -> int:
+    import re
+
+    m = re.fullmatch(r"([0-9.]+)\s*(k|m|g|t)?(i)?b?", text.strip().lower())
+    if not m:
+        raise SystemExit(f"--mem-cap: {text!r} is not a size (e.g. 18GiB)")
+    return int(float(m.group(1)) * (1024 if m.group(3) else 1000) ** (" kmgt".index(m.group(2) or " ")))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description="DS-V2-Lite-shaped random checkpoint through mn and cg's plan")
+    ap.add_argument("--dir", type=Path, required=True, help="a folder on a disk with ~70 GB free")
+    ap.add_argument("--mem-cap", default="18GiB")
+    ap.add_argument("--types", default="q4_0,bf16")
+    ap.add_argument("--tokens", type=int, default=4)
+    ap.add_argument("--keep", action="store_true", help="keep the checkpoint and the expert files")
+    ap.add_argument("--model", default="ds", help="the registry name the checkpoint is run as (smoke runs: ds-tiny)")
+    ap.add_argument("--config", type=Path, default=REPO / "bench" / "model_facts" / "ds.json")
+    a = ap.parse_args()
+    log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+    limit = 0 if a.mem_cap.lower() == "none" else parse_size(a.mem_cap)
+    ckpt, cache = a.dir / "ds-v2-lite-random", a.dir / "cache"
+    bench = [sys.executable, "-m", "bench.cli"]
+    env = dict(os.environ, DRAFTEXPERT_CACHE=str(cache), PYTHONPATH=str(REPO))
+    rows, cap = [], MemoryCap(limit) if limit else None
+    try:
+        t0 = time.perf_counter()
+        if not (ckpt / "model.safetensors.index.json").exists():
+            log(f"writing the random checkpoint to {ckpt}")
+            total = write_checkpoint(ckpt, a.config, log)
+            log(f"checkpoint: {total / 1e9:.1f} GB in {time.perf_counter() - t0:.0f} s")
+        for qtype in a.types.split(","):
+            for engine in ("torch", "llama.cpp"):
+                for method in ("ar", "draftexpert"):
+                    out = a.dir / "runs" / f"{qtype}-{engine}-{method}"
+                    cmd = [*bench, "run", "--model", a.model, "--model-path", str(ckpt), "--platform", "mn",
+                           "--expert-type", qtype, "--method", method, "--engine", engine, "--suite", "gsm8k",
+                           "--limit", "1", "--max-new-tokens", str(a.tokens), "--out", str(out), "--json"]
+                    if method == "draftexpert":
+                        cmd += ["--draft-experts", "zero"]
+                    log(f"== {qtype} {engine} {method}")
+                    r = run_child(cmd, cap, env, a.dir / "scratch")
+                    row = {"type": qtype, "engine": engine, "method": method, "rc": r["rc"],
+                           "seconds": round(r["seconds"], 1), "peak_rss_gib": round(r["peak_rss"] / 2**30, 2),
+                           "group_peak_gib": r["group_peak"] and round(r["group_peak"] / 2**30, 2)}
+                    if r["rc"] == 0:
+                        rec = json.loads(r["stdout"])["records"][0]
+                        row.update(tok_s=rec["decode_tps"], loading_share=rec.get("loading_share"),
+                                   new_tokens=rec["new_tokens"])
+                    else:
+                        row["error"] = r["stderr"].strip().splitlines()[-1:] or ["(killed)"]
+                    rows.append(row)
+                    log(json.dumps(row))
+            for f in cache.rglob(f"*{qtype}*"):  # this type's expert file and heads: room for the next
+                f.unlink() if f.is_file() or f.is_symlink() else shutil.rmtree(f)
+        for host in ("64GiB", "24GiB"):
+            r = run_child([*bench, "plan", "--model", "ds", "--platform", "cg", "--host-mem", host, "--gpu-mem", "24GiB",
+                           "--json"], None, env, a.dir / "scratch")
+            p = json.loads(r["stdout"])
+            rows.append({"plan": f"cg, host {host}, GPU 24GiB", "fits": p["fits"], "pinned_gib": p["host_pinned"] / 2**30,
+                         "host_gib": p["host"] / 2**30, "warning": p["warning"]})
+            log(json.dumps(rows[-1]))
+    finally:
+        if cap:
+            cap.close()
+        if not a.keep:
+            shutil.rmtree(a.dir / "runs", ignore_errors=True)
+            shutil.rmtree(a.dir / "scratch", ignore_errors=True)
+            shutil.rmtree(cache, ignore_errors=True)
+            shutil.rmtree(ckpt, ignore_errors=True)
+    print(json.dumps({"mem_cap": a.mem_cap, "tokens": a.tokens, "rows": rows}, indent=2))
+    return 0 if all(r.get("rc", 0) == 0 for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
