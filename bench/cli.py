@@ -734,6 +734,8 @@ def sweep(grid: Annotated[Path, typer.Argument(help="The grid file (TOML; see be
         tasks, opts = read_grid(grid)
     except GridError as e:
         fail(str(e))
+    for model, model_path in sorted({(t.model, t.model_path) for t in tasks}, key=str):  # every model here first
+        resolve_or_fail(model, Path(model_path) if model_path else None)
     out_dir = _run_dir(out or (Path(opts["out"]) if opts["out"] else None), REPO_ROOT / "runs" / f"sweep-{grid.stem}")
     if ray is not None:
         try:

@@ -72,7 +72,6 @@ class DraftExpertLM(LM):
         if threads:
             torch.set_num_threads(int(threads))
         self.folder = registry.resolve(model, model_path)
-        registry.check_identity(registry.get(model), self.folder)
         self.model_name, self.method, self.platform, self.engine = model, method, platform, engine
         self.expert_type, self.max_gen_toks, self.log = expert_type, int(max_gen_toks), log
         self._expert_file = lambda qt: expert_file_for(model, self.folder, qt, log=log)

@@ -173,9 +173,7 @@ def run_task(task: Task, out_dir: Path, log: Callable[[str], None] | None = None
 
     log = log or (lambda m: print(f"[{task.folder}] {m}", file=sys.stderr, flush=True))
     folder = registry.resolve(task.model, task.model_path)
-    registry.check_identity(registry.get(task.model), folder)
-    over = dict(task.settings)
-    spec = SpecOptions().with_(**over)
+    spec = SpecOptions().with_(**task.settings)
     decoder, tokenizer, cfg = make_decoder(task.model, folder, task.method, task.platform,
                                            expert_type=task.expert_type, max_new_tokens=task.max_new_tokens,
                                            expert_file=lambda qt: expert_file_for(task.model, folder, qt, log=log),
