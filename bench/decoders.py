@@ -109,11 +109,13 @@ def _draft_experts(model: str, folder: Path, file: Path | None):
 
 
 def _fits(folder: Path, platform: str, cuda: bool, expert_type: str, positions: int, dtype_bytes: int = 4,
-          working_set: int = 0) -> None:
-    """The memory plan checked against this machine before anything is loaded."""
+          working_set: int = 0) -> int:
+    """The memory plan checked against this machine before anything is loaded (WontFit when even
+    its least need does not fit); returns the working-set bound to use: the one asked for, or —
+    when a round staging every position would not fit — the bytes that leave room (else 0)."""
     import json
 
-    from draftexpert.runtime.params import available_host_bytes, check_fits, plan
+    from draftexpert.runtime.params import GIB, available_host_bytes, check_fits, plan, working_set_bound
 
     p = plan(json.loads((folder / "config.json").read_text()), platform, cuda, dtype_bytes=dtype_bytes,
              expert_type=expert_type, positions=positions, working_set_bytes=working_set)
@@ -122,9 +124,16 @@ def _fits(folder: Path, platform: str, cuda: bool, expert_type: str, positions: 
         import torch
 
         free = torch.cuda.mem_get_info()[0]
-    warning = check_fits(p, available_host_bytes(), free)
-    if warning:
+    host = available_host_bytes()
+    warning = check_fits(p, host, free)
+    bound = 0 if working_set else working_set_bound(p, host, free)
+    if bound:
+        print(f"note: a round that stages new experts at every position could need {p['accelerator' if cuda else 'host'] / GIB:.1f} "
+              f"GiB; its working set is bounded to {bound / GIB:.1f} GiB so that it fits (past it the round reloads on "
+              "demand; --working-set to choose)", file=sys.stderr)
+    elif warning:
         print(f"warning: {warning}", file=sys.stderr)
+    return working_set or bound
 
 
 LLAMA_CONTEXT = 2048  # the llama.cpp engine's context (n_ctx), at most the model's
@@ -251,9 +260,9 @@ def _make_torch_decoder(model, folder, method, platform, expert_type, cache_expe
     torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
     if working_set and store == "resident":
         raise ValueError("--working-set bounds what a round moves to the accelerator: platforms cg and mn")
-    _fits(folder, "resident" if method == "reference" else platform, device == "cuda", expert_type,
-          1 if method in ("ar", "reference") else spec.round.k_max + 1,
-          torch_dtype.itemsize, working_set)  # before anything is loaded
+    working_set = _fits(folder, "resident" if method == "reference" else platform, device == "cuda", expert_type,
+                        1 if method in ("ar", "reference") else spec.round.k_max + 1,
+                        torch_dtype.itemsize, working_set)  # before anything is loaded
 
     tokenizer = _tokenizer(folder)
     if method == "reference":

@@ -95,3 +95,17 @@ def test_bench_plan_reads_the_config_alone_and_exits_1_when_it_does_not_fit():
     assert r.exit_code == 1 and "does not fit" in r.output and "24.0 GiB is available" in r.output
     r = CliRunner().invoke(app, ["plan", "--model", "ds", "--host-mem", "lots"])
     assert r.exit_code == 2 and "--host-mem" in r.output
+
+
+def test_a_round_that_would_not_fit_gets_a_working_set_bound_that_does():
+    from draftexpert.runtime import params
+
+    ds, gib = registry.config_facts("ds"), 1 << 30
+    spec = params.plan(ds, "mn", cuda=False, expert_type="q4_0", positions=5)  # DS, K_max 4, every position new
+    assert spec["host"] > 18 * gib and params.working_set_bound(spec, 64 * gib, None) == 0  # fits: no bound
+    bound = params.working_set_bound(spec, 18 * gib, None)
+    assert spec["working_set_one_position"] < bound < spec["working_set"]
+    bounded = params.plan(ds, "mn", cuda=False, expert_type="q4_0", positions=5, working_set_bytes=bound)
+    assert bounded["host"] <= 0.9 * 18 * gib and params.check_fits(bounded, 18 * gib) is None
+    cg = params.plan(ds, "cg", cuda=True, positions=5)  # the GPU holds the working set on cg
+    assert 0 < params.working_set_bound(cg, 64 * gib, 24 * gib) < cg["working_set"]

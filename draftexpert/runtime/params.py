@@ -196,3 +196,12 @@ def check_fits(p: dict, host_bytes: int | None, accelerator_bytes: int | None = 
                     f"({gib(have)} available): --working-set bounds it (past the bound a round reloads on demand); "
                     "truncation (the default) or a lower --k-max keeps it smaller")
     return None
+
+
+def working_set_bound(p: dict, host_bytes: int | None, accelerator_bytes: int | None, headroom: float = 0.9) -> int:
+    """Bytes a round's working set may take so that a plan (`plan`) whose worst case does not fit
+    does: what the memory holding it leaves after everything else (0: no bound needed, or unknown)."""
+    mem, have = ("accelerator", accelerator_bytes) if p["cuda"] else ("host", host_bytes)
+    if have is None or p[mem] <= headroom * have or p["store"] == "resident":
+        return 0
+    return max(0, int(headroom * have) - (p[mem] - p["working_set"]))
