@@ -436,6 +436,9 @@ def _named_errors():
         fail(str(e))
     except RunFolderError as e:
         fail(str(e), code=1)
+    except OSError as e:  # the machine's side (a full disk writing a derived file, a vanished path): one line
+        fail(f"{e.strerror or e}{f': {e.filename}' if e.filename else ''} — fix it and rerun the same command "
+             "(finished records are kept; a derived file left unfinished is rebuilt)", code=1)
 
 
 @contextmanager

@@ -109,3 +109,26 @@ def test_a_round_that_would_not_fit_gets_a_working_set_bound_that_does():
     assert bounded["host"] <= 0.9 * 18 * gib and params.check_fits(bounded, 18 * gib) is None
     cg = params.plan(ds, "cg", cuda=True, positions=5)  # the GPU holds the working set on cg
     assert 0 < params.working_set_bound(cg, 64 * gib, 24 * gib) < cg["working_set"]
+
+
+def test_a_memory_cgroup_limit_is_what_is_available(tmp_path):
+    """In a container or a capped group, the plan is checked against the group's room, not the machine's."""
+    from draftexpert.runtime.params import _cgroup_room
+
+    gib = 1 << 30
+    v1 = tmp_path / "v1" / "memory" / "job"
+    v1.mkdir(parents=True)
+    (v1 / "memory.limit_in_bytes").write_text(str(18 * gib))
+    (v1 / "memory.usage_in_bytes").write_text(str(6 * gib))
+    (v1 / "memory.stat").write_text(f"cache 1\ntotal_cache {2 * gib}\nrss 9\n")
+    (tmp_path / "proc1").write_text("5:devices:/\n4:memory:/job\n0::/\n")
+    assert _cgroup_room(tmp_path / "proc1", tmp_path / "v1") == 14 * gib  # page cache counts as free
+    v2 = tmp_path / "v2" / "job"
+    v2.mkdir(parents=True)
+    (v2 / "memory.max").write_text(f"{8 * gib}\n")
+    (v2 / "memory.current").write_text(str(3 * gib))
+    (v2 / "memory.stat").write_text(f"anon {2 * gib}\nfile {1 * gib}\n")
+    (tmp_path / "proc2").write_text("0::/job\n")
+    assert _cgroup_room(tmp_path / "proc2", tmp_path / "v2") == 6 * gib
+    (v2 / "memory.max").write_text("max\n")
+    assert _cgroup_room(tmp_path / "proc2", tmp_path / "v2") is None  # no limit: MemAvailable decides

@@ -16,6 +16,7 @@ f32 (4 B) as llama.cpp keeps norms; real GGUF files may keep a few matrices at h
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 GIB = 1 << 30
 Q4_0_BYTES_PER_WEIGHT = 18 / 32
@@ -110,13 +111,43 @@ class WontFit(ValueError):
 
 
 def available_host_bytes() -> int | None:
-    """MemAvailable (what can be allocated without swapping), or None where /proc/meminfo is absent."""
+    """What this process can allocate without swapping or being killed: MemAvailable, and at most
+    what its memory cgroup's limit leaves (v1 `memory.limit_in_bytes`, v2 `memory.max`; the
+    group's page cache counts as free, it is reclaimed first); None where neither can be read."""
+    avail = None
     try:
         for line in open("/proc/meminfo"):
             if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
+                avail = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    room = _cgroup_room()
+    return room if avail is None else avail if room is None else min(avail, room)
+
+
+def _cgroup_room(proc: Path = Path("/proc/self/cgroup"), root: Path = Path("/sys/fs/cgroup")) -> int | None:
+    """limit − (usage − page cache) of this process's memory cgroup, or None (no limit / unreadable)."""
+    try:
+        lines = proc.read_text().splitlines()
     except OSError:
         return None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        v1 = "memory" in controllers.split(",")
+        if not v1 and controllers != "":
+            continue
+        group = (root / "memory" if v1 else root) / path.lstrip("/")
+        names = ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_cache") if v1 else \
+            ("memory.max", "memory.current", "file")
+        try:
+            limit = (group / names[0]).read_text().strip()
+            if limit == "max" or int(limit) >= 1 << 60:  # v2 "max"; v1's "no limit" is a huge number
+                continue
+            usage = int((group / names[1]).read_text())
+            stat = dict(line.split() for line in (group / "memory.stat").read_text().splitlines())
+            return int(limit) - (usage - int(stat.get(names[2], 0)))
+        except (OSError, ValueError):
+            continue
     return None
 
 
