@@ -63,6 +63,31 @@ def expert_file_for(model: str, folder: Path, qtype: str, out: Path | None = Non
     return path
 
 
+def dense_counterpart_for(model: str, folder: Path, log: Callable[[str], None] = _stderr) -> Path:
+    """The MoE checkpoint's dense counterpart (`write_dense_counterpart`, Fig. 4's dense half),
+    written once under the cache (into a temporary folder, renamed when complete) and reused;
+    its name carries a fingerprint of the source's config.json and shards."""
+    import os
+    import shutil
+
+    from bench.sources import cache_dir
+    from draftexpert.runtime.checkpoint import write_dense_counterpart
+
+    h = hashlib.sha256((folder / "config.json").read_bytes())
+    h.update(b"dense counterpart v1")
+    for p in sorted(folder.glob("*.safetensors")):
+        st = p.stat()
+        h.update(f"{p.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    path = cache_dir() / "dense" / f"{model}-dense-{h.hexdigest()[:12]}"
+    if not (path / "config.json").exists():
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        log(f"writing {model}'s dense counterpart {path} (once)")
+        write_dense_counterpart(folder, tmp)
+        os.replace(tmp, path)
+    return path
+
+
 def llama_head_for(model: str, folder: Path, qtype: str, expert_file: Path, draft=None, draft_id: str | None = None,
                    log: Callable[[str], None] = _stderr, verify: bool = False) -> Path:
     """Split 1 of the llama.cpp model (the target's, or a DraftExpert drafter's), written once next

@@ -53,7 +53,8 @@ def fig1b_runs(results_dir: Path, log, per_suite: int = FIG1B_PER_SUITE, tokens:
     b = fig1b.breakdown(load_results(*[runs / d for d in sorted(p.name for p in runs.iterdir() if p.name.startswith("fig1b-"))]),
                         config_hashes=cells)
     (results_dir / "fig1b_breakdown.md").write_text(fig1b.table(b))
-    figs = fig1b.figure(b, results_dir / "figures" / "fig1b_breakdown")
+    figs = fig1b.figure(b, results_dir / "figures" / "fig1b_breakdown",
+                        f"results/runs/fig1b-{FIG1B_MODEL}-*, machine {machine['machine_id']}")
     return ["results/runs/fig1b-*", "results/fig1b_breakdown.md", *[str(p.relative_to(results_dir.parent)) for p in figs]]
 
 
@@ -109,6 +110,12 @@ def spec_compare(results_dir: Path, log, per_suite: int = FIG1B_PER_SUITE, token
     return written
 
 
+def _machine_id(results_dir: Path) -> str:
+    """The machine the results were measured on (results/machine.json, written first by reproduce)."""
+    path = results_dir / "machine.json"
+    return json.loads(path.read_text()).get("machine_id", "?") if path.exists() else "?"
+
+
 def fig2(results_dir: Path, log) -> list[str]:
     """Fig. 2 from the torch-engine comparisons `spec_compare` wrote (results/spec_compare_*_mn.json)."""
     from paper_figs import fig2 as render
@@ -119,8 +126,7 @@ def fig2(results_dir: Path, log) -> list[str]:
         res = json.loads(path.read_text())
         per_model[model] = render.points(res)
         runs.append(f"results/runs/compare-{model}-mn")
-    machine = json.loads((results_dir / "machine.json").read_text()).get("machine_id", "?") \
-        if (results_dir / "machine.json").exists() else "?"
+    machine = _machine_id(results_dir)
     (results_dir / "fig2_tradeoff.md").write_text(
         "Fig. 2 from Table 2/3's runs on mn (torch engine, Q4_0, cold, K = 4, fixed-K top-r without prefetch; "
         f"DraftExpert with truncation and prefetch), {', '.join(runs)}; the paper's values beside ours.\n\n"
@@ -200,8 +206,9 @@ def fig3(results_dir: Path, log, per_suite: int = FIG1B_PER_SUITE, tokens: int =
         cfg = json.loads((registry.resolve(model) / "config.json").read_text())
         moe = cfg["num_hidden_layers"] - cfg["first_k_dense_replace"]
         figs = render.figure(curves, results_dir / "figures" / f"fig3_{model}",
-                             f"{model}: draft-side unique experts vs length (results/runs/compare-{model}-mn)",
-                             paper_at_k4=render.paper_points(model, moe))
+                             f"{model}: draft-side unique experts vs length (measured)",
+                             paper_at_k4=render.paper_points(model, moe),
+                             source=f"results/runs/compare-{model}-mn, machine {_machine_id(results_dir)}")
         written += [f"results/fig3_{model}_mn.md", *[str(p.relative_to(results_dir.parent)) for p in figs]]
     return written
 
@@ -211,34 +218,47 @@ SWEEP_STARTS = [0, 8, 16]
 
 
 def fig45(results_dir: Path, log, per_suite: int = FIG1B_PER_SUITE) -> list[str]:
-    """Figs. 4–5 on mn (Q4_0, cold, torch engine): verify cost and unique experts vs block length."""
+    """Figs. 4–5 on mn (Q4_0, cold, torch engine): verify cost and unique experts vs block length,
+    and Fig. 4's dense half: each model's dense counterpart swept over the same blocks."""
     import torch
 
     from bench import prompts, registry
-    from bench.artifacts import expert_file_for
+    from bench.artifacts import dense_counterpart_for, expert_file_for
     from bench.prompts import render_prompt
     from bench.sweep import verify_sweep
+    from bench.telemetry import collect, expert_storage
     from draftexpert.runtime.loader import build_model
     from draftexpert import metrics
     from paper_figs import fig45 as render
     from transformers import AutoTokenizer
 
     torch.set_num_threads(FIG1B_THREADS)
+    machine = collect(expert_storage(), keep_probe=True)
     per_model = {}
     for model in ("ds-tiny", "ml-tiny"):
         folder = registry.resolve(model)
         tok = AutoTokenizer.from_pretrained(folder, local_files_only=True)
-        target = build_model(folder, "flash", gguf_path=expert_file_for(model, folder, "q4_0", log=log))
         ids = [render_prompt(tok, p["prompt"]) for p in prompts.load(limit=per_suite)]
-        rows = verify_sweep(target, ids, SWEEP_LENGTHS, SWEEP_STARTS, log=log)
+        target = build_model(folder, "flash", gguf_path=expert_file_for(model, folder, "q4_0", log=log))
+        rows, continuations = verify_sweep(target, ids, SWEEP_LENGTHS, SWEEP_STARTS, log=log)
         target.experts.close()
-        per_model[model] = c = metrics.verify_sweep_curves(rows)
-        write_json_atomic(results_dir / f"fig45_{model}_mn.json", {"model": model, "rows": rows, "curves": c})
+        dense_folder = dense_counterpart_for(model, folder, log=log)
+        dense = build_model(dense_folder, "flash", gguf_path=expert_file_for(f"{model}-dense", dense_folder, "q4_0", log=log))
+        log(f"{model}'s dense counterpart over the same blocks")
+        dense_rows, _ = verify_sweep(dense, ids, SWEEP_LENGTHS, SWEEP_STARTS, log=log, continuations=continuations)
+        dense.experts.close()
+        c, d = metrics.verify_sweep_curves(rows), metrics.verify_sweep_curves(dense_rows)
+        per_model[model] = c | {"dense_cost": d["cost"]}
+        write_json_atomic(results_dir / f"fig45_{model}_mn.json", {
+            "model": model, "machine": machine["machine_id"], "rows": rows, "curves": c,
+            "dense": {"what": render.DENSE_LABEL, "rows": dense_rows, "curves": d}})
         (results_dir / f"fig45_{model}_mn.md").write_text(
             f"{model} on mn (Q4_0 experts from flash, cold store before each forward, torch engine), {len(ids)} prompts, "
-            f"blocks of the target's own greedy continuation at starts {SWEEP_STARTS}, {FIG1B_THREADS} thread.\n\n"
-            + render.table(c))
-    figs = render.figure(per_model, results_dir / "figures" / "fig45_verify_block")
+            f"blocks of the target's own greedy continuation at starts {SWEEP_STARTS}, {FIG1B_THREADS} thread, "
+            f"machine {machine['machine_id']}. Dense: {render.DENSE_LABEL}, swept over the same blocks, its cost "
+            f"normalised to its own one-token step. Paper: {render.paper_note(model)}\n\n" + render.table(per_model[model]))
+    figs = render.figure(per_model, results_dir / "figures" / "fig45_verify_block",
+                         f"results/fig45_{{ds-tiny,ml-tiny}}_mn.json, machine {machine['machine_id']}")
     return [*(f"results/fig45_{m}_mn.{ext}" for m in per_model for ext in ("md", "json")),
             *[str(p.relative_to(results_dir.parent)) for p in figs]]
 

@@ -17,7 +17,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from paper_figs.output import save  # noqa: E402
+from paper_figs.output import require, save  # noqa: E402
 from paper_figs.paper import FIG2 as PAPER  # noqa: E402
 
 DRAFTERS = ("top-1", "top-2", "top-3")
@@ -31,9 +31,7 @@ def points(result: dict) -> dict[str, dict]:
     if missing:
         raise ValueError(f"Fig. 2 needs the comparison's rows {', '.join(missing)} (bench compare --set table2)")
     for name, row in rows.items():
-        absent = [c for c in NEEDED if c not in row] if name != "ar" else [c for c in ("ar_forward_s",) if c not in row]
-        if absent:
-            raise ValueError(f"Fig. 2: row {name!r} lacks column(s) {', '.join(absent)}")
+        require(row, ("ar_forward_s",) if name == "ar" else NEEDED, f"Fig. 2: row {name!r}")
     top1, target = rows["top-1"]["draft_forward_s"], rows["ar"]["ar_forward_s"]
     out = {}
     for name in (*DRAFTERS, "draftexpert"):
@@ -79,6 +77,4 @@ def figure(per_model: dict[str, dict[str, dict]], out_stem: Path, source: str) -
     axes[0].set_ylim(0, 1)
     axes[0].legend(fontsize=7)
     fig.suptitle("Fig. 2: top-r acceptance vs cheapness under cold offload (ours: K = 4)", fontsize=10)
-    fig.text(0.5, 0.005, source, ha="center", fontsize=6, color="0.4")
-    fig.tight_layout(rect=(0, 0.03, 1, 0.95))
-    return save(fig, out_stem)
+    return save(fig, out_stem, source)

@@ -32,7 +32,7 @@ def paper_points(model: str, moe_layers: int) -> dict[str, float]:
 
 
 def figure(curves: dict[str, list[float]], out_stem: Path, title: str,
-           paper_at_k4: dict[str, float] | None = None) -> list[Path]:
+           paper_at_k4: dict[str, float] | None = None, source: str | None = None) -> list[Path]:
     """One curve per drafter; `paper_at_k4`: the paper's points at j = 4, hollow, in each drafter's colour."""
     fig, ax = plt.subplots(figsize=(5, 3.5))
     for name, c in curves.items():
@@ -45,4 +45,4 @@ def figure(curves: dict[str, list[float]], out_stem: Path, title: str,
     ax.set_ylabel("cumulative unique layer-experts (drafter)")
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=8)
-    return save(fig, out_stem)
+    return save(fig, out_stem, source)

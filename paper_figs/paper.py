@@ -18,6 +18,11 @@ TABLE2 = {("ds", "cg"): {"ar": 2.19, "top-r": 1.19, "draftexpert": 2.99, "speedu
           ("ml", "mn"): {"ar": 8.50, "top-r": 3.82, "draftexpert": 13.69, "speedup": 1.61}}
 RESIDENT_MN_DS_TPS = 14.36  # Table 1: the DS Q4_0 AR reference with experts memory-resident
 
+# Fig. 1b is drawn without values: expert loading "dominates" decode-128 time (> 50 %) on both
+# platforms. Tables 1–2 imply that DS's MN AR spends 1 − 10.18 / 14.36 = 29 % of its time on offload.
+FIG1B_DOMINANT_SHARE = 0.5
+MN_DS_OFFLOAD_SHARE = 1 - TABLE2[("ds", "mn")]["ar"] / RESIDENT_MN_DS_TPS
+
 # Table 3 (K = 4): the drafter's unique routed layer-experts, acceptance, draft cost × top-1 (CG, MN).
 TABLE3 = {"ds": {"top-1": (84, 0.225, 1.00, 1.00), "top-2": (183, 0.314, 1.36, 1.47),
                  "top-3": (244, 0.459, 1.59, 1.83), "draftexpert": (88, 0.850, 1.05, 1.08)},

@@ -23,7 +23,7 @@ from paper_figs import paper  # noqa: E402
 from paper_figs.output import save  # noqa: E402
 
 PAPER_SPEEDUP = {p: paper.TABLE2[("ds", p)]["speedup"] for p in ("mn", "cg")}  # DS rows of the paper's Table 2
-PAPER_MN_LOADING_SHARE = 1 - paper.TABLE2[("ds", "mn")]["ar"] / paper.RESIDENT_MN_DS_TPS  # Flash-staged vs resident AR
+PAPER_MN_LOADING_SHARE = paper.MN_DS_OFFLOAD_SHARE  # Flash-staged vs resident AR
 TOP_R = ("top-1", "top-2", "top-3")
 
 
@@ -122,6 +122,5 @@ def figure(results: list[dict], out_stem: Path, source: str) -> list[Path]:
     h2, l2 = share_ax.get_legend_handles_labels()
     ax.legend(h1 + h2, l1 + l2, fontsize=6, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=2)
     ax_tps.legend(fontsize=6, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=2)
-    fig.suptitle(f"{results[0]['model']} on {results[0]['platform']} — {source}", fontsize=8)
-    fig.tight_layout()
-    return save(fig, out_stem)
+    fig.suptitle(f"{results[0]['model']} on {results[0]['platform']}", fontsize=8)
+    return save(fig, out_stem, source)

@@ -49,7 +49,11 @@ def test_reproduce_writes_fig1a_and_lists_pending(tmp_path):
         assert lc["engine"] == "llama.cpp" and set(lc["methods"]) == set(spec["methods"])
         assert all(lc["tokens_equal_ar"].values())  # demand staging and the resident bound included
         assert lc["methods"]["ar"]["loading_share"] > 0 and lc["methods"]["ar-resident"]["decode_loads"] == 0
-        f45 = json.loads((tmp_path / f"fig45_{model}_mn.json").read_text())["curves"]
+        f45_all = json.loads((tmp_path / f"fig45_{model}_mn.json").read_text())
+        f45, dense = f45_all["curves"], f45_all["dense"]
+        assert dense["curves"]["unique"] == [5] * 8  # the dense counterpart: one FFN per MoE layer, any block
+        one = lambda rows: {r["bytes"] for r in rows if r["length"] == 1}  # noqa: E731
+        assert one(dense["rows"]) == one(f45_all["rows"])  # and an AR step's bytes
         assert f45["length"] == list(range(1, 9)) and f45["unique"][0] == 30  # one AR step: 5 MoE layers × top-6
         assert all(a <= b for a, b in zip(f45["unique"], f45["unique"][1:])) and f45["unique"][-1] <= f45["linear"][-1]
         cc = json.loads((tmp_path / f"crosscheck_{model}.json").read_text())

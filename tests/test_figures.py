@@ -54,3 +54,45 @@ def test_tables_print_the_papers_values_beside_ours():
     r5 = {"kl": 0.1, "token_agreement": 0.9, "router_agreement": 0.9, "acceptance_k4": 0.8, "prefetch_hit_rate": 0.9,
           "steps": 1, "tokens": 1, "train_seconds": 1}
     assert "0.07 / 0.870 / 0.86 / 0.88" in table5({"model": "ds-tiny", "presets": {"full": r5}})
+
+
+def _records():
+    import pandas as pd
+
+    rec = lambda platform, qtype, loading, compute: {  # noqa: E731 - one AR record of a cell
+        "method": "ar", "model": "ds-tiny", "platform": platform, "config_hash": platform + qtype,
+        "method_args": {"expert_type": qtype, "device": "cpu"}, "prompt_id": "p", "new_tokens": 11,
+        "decode_s": loading + compute + 0.01, "decode_wall_s": loading + compute, "decode_stall_s": loading,
+        "decode_loads": 300, "decode_bytes": 10 * 2**20}
+    return pd.DataFrame([rec("mn", "q4_0", 0.1, 0.08), rec("cg", "—", 0.02, 0.09)])
+
+
+def test_fig1b_from_fixture_records_prints_the_papers_statement(tmp_path):
+    from paper_figs import fig1b
+
+    b = fig1b.breakdown(_records())
+    assert list(b.platform) == ["mn", "cg"]
+    t = fig1b.table(b)
+    assert "| paper loading share |" in t and "29% implied by AR 10.18 vs resident 14.36 TPS" in t
+    png = [f for f in fig1b.figure(b, tmp_path / "f1b", "fixture records, machine m") if f.suffix == ".png"]
+    assert png[0].stat().st_size > 10_000
+    with pytest.raises(ValueError, match="Fig. 1b: the breakdown lacks column.*loading_share"):
+        fig1b.table(b.drop(columns=["loading_share"]))
+    with pytest.raises(ValueError, match="Fig. 1b: the record table lacks column.*config_hash"):
+        fig1b.breakdown(_records().drop(columns=["config_hash"]))
+
+
+def test_fig45_draws_the_dense_half_and_the_papers_table4_points(tmp_path):
+    from paper_figs import fig45
+
+    c = {"length": [1, 2, 3], "unique": [30.0, 50.0, 65.0], "linear": [30, 60, 90], "cost": [1.0, 1.6, 2.1],
+         "dense_cost": [1.0, 1.02, 1.05]}
+    t = fig45.table(c)
+    assert "dense verify cost ×step |" in t and "| 3 | 65.0 | 90 | 2.10 | 1.05 |" in t
+    assert fig45.paper_costs("ds-tiny") == (2.35, 3.10) and fig45.paper_costs("other") is None
+    assert "3.10× one AR step on MN" in fig45.paper_note("ds-tiny")
+    png = [f for f in fig45.figure({"ds-tiny": c}, tmp_path / "f45", "fixture") if f.suffix == ".png"]
+    assert png[0].stat().st_size > 10_000
+    del c["cost"]
+    with pytest.raises(ValueError, match="lacks column.*cost"):
+        fig45.table(c)

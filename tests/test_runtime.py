@@ -352,3 +352,28 @@ def test_the_ledger_times_gpu_waits_with_their_events():
     rec = ledger.forwards[-1]
     assert rec.stall_s == pytest.approx(0.0025) and rec.per_layer[3]["stall_s"] == pytest.approx(0.0025)
     assert rec.per_layer[4]["stall_s"] == 0 and len(syncs) == 2  # clocks synchronised at start and end
+
+
+def test_the_dense_counterpart_moves_an_ar_steps_bytes_for_any_block(checkpoint, tmp_path):
+    """Fig. 4's dense half: each MoE layer's routed experts become one FFN of the active routed
+    width, offloaded through the same store — a one-token forward moves what the MoE's moves, and
+    a block of L tokens moves no more (the MoE's union grows)."""
+    from draftexpert.runtime.checkpoint import write_dense_counterpart
+
+    folder = checkpoint[1]
+    moe, dense = build_model(folder, "host"), build_model(write_dense_counterpart(folder, tmp_path / "dense"), "host")
+    k, moe_layers = COMMON["num_experts_per_tok"], COMMON["num_hidden_layers"] - COMMON["first_k_dense_replace"]
+    assert dense.cfg.n_experts == 1 and dense.cfg.moe_inter == k * COMMON["moe_intermediate_size"]
+
+    def cold_forward(model, L):
+        model.experts.cache.clear()
+        logits = model.forward(torch.arange(5, 5 + L), KVCache.for_model(model, 16), phase="verify")
+        assert torch.isfinite(logits).all()
+        return model.experts.ledger.forwards[-1]
+
+    one = cold_forward(moe, 1)
+    assert one.loads == k * moe_layers
+    for L in (1, 3, 8):
+        rec = cold_forward(dense, L)
+        assert (rec.loads, rec.bytes) == (moe_layers, one.bytes)
+    assert cold_forward(moe, 8).bytes > one.bytes

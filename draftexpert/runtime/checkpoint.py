@@ -68,3 +68,53 @@ def weights_fingerprint(folder: Path) -> str:
     except OSError:
         pass
     return digest
+
+
+def write_dense_counterpart(folder: Path, out: Path) -> Path:
+    """The dense counterpart of an MoE checkpoint (Fig. 4's dense half), written to `out`, one
+    shard per layer: each MoE layer's routed experts replaced by ONE always-selected FFN of the
+    active routed width k · I, so a token moves and computes what an AR step of the MoE does
+    (same bytes, same FLOPs), while a block of L tokens reuses those weights instead of touching a
+    union of experts. Attention, norms, shared experts, dense layers, head: the target's own.
+    The dense FFN is the target's routed experts 0 … k−1 side by side (down_proj scaled by 1/k):
+    a timing counterpart with the MoE's shapes, not a trained model."""
+    from safetensors.torch import save_file
+
+    from draftexpert.runtime.loader import Checkpoint, load_config
+
+    cfg, ckpt = load_config(folder), Checkpoint(folder)
+    k, I = cfg.num_experts_per_tok, cfg.moe_intermediate_size
+    out.mkdir(parents=True, exist_ok=True)
+    weight_map: dict[str, str] = {}
+
+    def shard(name: str, tensors: dict[str, torch.Tensor]) -> None:
+        save_file({n: t.contiguous() for n, t in tensors.items()}, str(out / name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, name))
+
+    by_layer: dict[int | None, list[str]] = {}
+    for name in ckpt.keys():
+        layer = int(name.split(".")[2]) if name.startswith("model.layers.") else None
+        by_layer.setdefault(layer, []).append(name)
+    for layer, names in by_layer.items():
+        p = f"model.layers.{layer}.mlp."
+        tensors = {n: ckpt.get(n) for n in names if ".mlp.experts." not in n}
+        if p + "gate.weight" in tensors:  # an MoE layer: one expert, one router row
+            tensors[p + "gate.weight"] = torch.zeros_like(tensors[p + "gate.weight"][:1])
+            if p + "gate.e_score_correction_bias" in tensors:
+                tensors[p + "gate.e_score_correction_bias"] = torch.zeros_like(tensors[p + "gate.e_score_correction_bias"][:1])
+            if p + "experts.gate_up_proj" in ckpt.where:  # fused [E, 2I, H] / [E, H, I]
+                gu, dn = ckpt.get(p + "experts.gate_up_proj")[:k], ckpt.get(p + "experts.down_proj")[:k]
+                gate, up, down = gu[:, :I].reshape(k * I, -1), gu[:, I:].reshape(k * I, -1), torch.cat(list(dn), 1)
+            else:
+                gate = torch.cat([ckpt.get(f"{p}experts.{e}.gate_proj.weight") for e in range(k)])
+                up = torch.cat([ckpt.get(f"{p}experts.{e}.up_proj.weight") for e in range(k)])
+                down = torch.cat([ckpt.get(f"{p}experts.{e}.down_proj.weight") for e in range(k)], 1)
+            tensors |= {p + "experts.0.gate_proj.weight": gate, p + "experts.0.up_proj.weight": up,
+                        p + "experts.0.down_proj.weight": (down.float() / k).to(down.dtype)}
+        shard(f"model-{'head' if layer is None else f'layer{layer:03d}'}.safetensors", tensors)
+    raw = json.loads((Path(folder) / "config.json").read_text())
+    raw |= {"n_routed_experts": 1, "num_experts_per_tok": 1, "moe_intermediate_size": k * I, "n_group": 1,
+            "topk_group": 1, "routed_scaling_factor": 1.0}
+    (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1))
+    return out
