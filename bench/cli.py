@@ -170,6 +170,13 @@ def plan(model: ModelOpt = "ds", model_path: ModelPathOpt = None, platform: Plat
                                                       "(default: this machine's available).")] = None,
          gpu_mem: Annotated[str | None, typer.Option("--gpu-mem", help="GPU memory, e.g. 24GiB (default: the "
                                                      "GPU's free memory when there is one).")] = None,
+         distill: Annotated[bool, typer.Option("--distill", help="Plan `bench distill` instead (its --teacher, "
+                                               "--seq-len, --batch-size, --intermediate).")] = False,
+         teacher: Annotated[str, typer.Option("--teacher", help="--distill: auto | transformers | runtime")] = "auto",
+         seq_len: Annotated[int, typer.Option("--seq-len", min=8, help="--distill: window length")] = 256,
+         batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="--distill: windows per step")] = 8,
+         intermediate: Annotated[int | None, typer.Option("--intermediate", min=1, help="--distill: I_d (default: "
+                                                          "the routed experts')")] = None,
          as_json: JsonOpt = False):
     """Where a model's bytes go on a platform, from its config alone (no weights needed), as the
     runtime holds them today, and whether that fits; `bench run` checks the same plan before
@@ -201,6 +208,10 @@ def plan(model: ModelOpt = "ds", model_path: ModelPathOpt = None, platform: Plat
         except ImportError:
             gpu = None
     p.update(model=model, method=method, host_available=host, accelerator_available=gpu)
+    if distill:
+        _plan_distill(p, cfg, model, teacher, intermediate or cfg["moe_intermediate_size"], seq_len, batch_size,
+                      host, gpu if cuda else None, as_json)
+        return
     try:
         p["warning"], p["fits"] = check_fits(p, host, gpu if cuda else None), True
     except WontFit as e:
@@ -1054,24 +1065,78 @@ def distill_cmd(model: ModelOpt = "ds-tiny", model_path: ModelPathOpt = None,
                 threads: Annotated[int, typer.Option("--threads", min=1)] = 2,
                 seed: Annotated[int, typer.Option("--seed")] = 0,
                 out: Annotated[Path | None, typer.Option("--out", help="Draft-expert checkpoint to write.")] = None,
+                teacher: Annotated[str, typer.Option("--teacher", help="auto (transformers for the embedded models, "
+                                                     "runtime for real ones) | transformers (the whole model in "
+                                                     "memory) | runtime (the offload runtime: experts streamed from "
+                                                     "the platform's store, as decoding does)")] = "auto",
+                platform: Annotated[str, typer.Option("--platform", help="runtime teacher: mn (the GGUF expert file; "
+                                                      "the target mn verifies with) | cg (the host pool)")] = "mn",
+                expert_type: ExpertTypeOpt = "q4_0",
+                device: Annotated[str, typer.Option("--device", help="runtime teacher: cpu | cuda (cg)")] = "cpu",
                 as_json: JsonOpt = False):
     """Self-distil the draft experts of a frozen target (Eq. 6–11) on the corpus's training split;
-    resumable; writes a safetensors checkpoint paired with the target's weights."""
+    resumable; writes a safetensors checkpoint paired with the target's weights. The memory plan
+    (`bench plan --distill`) is checked before anything loads."""
     from bench import distill as bd
+    from draftexpert.runtime.params import WontFit
     from draftexpert.training.distill import DistillConfig, DistillError
     from draftexpert.runtime.loader import load_config
 
     folder = resolve_or_fail(model, model_path)
+    if device not in ("cpu", "cuda"):
+        fail(f"--device: {device!r} is not one of cpu, cuda")
+    if device == "cuda":
+        import torch
+
+        if platform != "cg" or not torch.cuda.is_available():
+            fail("--device cuda: needs --platform cg and a CUDA GPU" + ("" if torch.cuda.is_available() else
+                                                                       " (none is visible here)"))
     try:
         cfg = DistillConfig(preset="full" if preset == "router" else preset, steps=steps, batch_size=batch_size,
                             seq_len=seq_len, lr=lr, intermediate=intermediate or load_config(folder).moe_intermediate_size,
                             learn_gamma=not fixed_gamma, threads=threads, seed=seed, alpha=alpha, beta=beta, eta=eta)
-        r = bd.distill(model, folder, cfg, out, log)
+        r = bd.distill(model, folder, cfg, out, log, teacher=teacher, platform=platform, expert_type=expert_type,
+                       device=device)
     except DistillError as e:
         fail(f"--preset / checkpoint: {e}")
+    except WontFit as e:
+        fail(str(e), code=1)
+    except ValueError as e:  # a bad --teacher / --platform
+        fail(str(e))
     except FileNotFoundError as e:
         fail(str(e))
     emit(r, as_json, f"{r['out']}: {r['steps']} steps, {r['tokens']:,} tokens, {r['train_seconds']:.0f} s")
+
+
+def _plan_distill(p: dict, cfg: dict, model: str, teacher: str, intermediate: int, seq_len: int, batch: int,
+                  host: int | None, gpu: int | None, as_json: bool) -> None:
+    """`bench plan --distill`: what `bench distill` would hold, and whether it fits (exit 1 if not)."""
+    from bench.distill import teacher_kind
+    from draftexpert.runtime.params import GIB, WontFit, check_distill_fits, distill_plan
+
+    try:
+        kind = teacher_kind(model, teacher)
+    except ValueError as e:
+        fail(str(e))
+    d = distill_plan(cfg, p, intermediate, seq_len, batch, kind)
+    try:
+        check_distill_fits(d, host, gpu)
+        d["fits"], d["warning"] = True, None
+    except WontFit as e:
+        d["fits"], d["warning"] = False, str(e)
+    g = lambda n: f"{n / GIB:8.2f} GiB"  # noqa: E731
+    rows = [("draft experts + grads + AdamW (fp32)", d["distill_state"]), ("logits, both paths", d["distill_logits"]),
+            ("draft pass kept for its backward", d["distill_activations"]),
+            ("one layer's experts at a time", d["distill_experts"]), ("= host memory", d["distill_host"]),
+            ("= accelerator memory", d["distill_accelerator"])]
+    text = (f"bench distill --model {model} --teacher {kind}" + (f" --platform {p['platform']}" if kind == "runtime" else "")
+            + f" (I_d {intermediate}, {batch} × {seq_len} tokens a step; an estimate):\n"
+            + "\n".join(f"  {k:40s}{g(v)}" for k, v in rows if v or k.startswith("="))
+            + f"\n  available: host {g(host) if host else '?'}" + (f", GPU {g(gpu)}" if gpu else "")
+            + f"\n{'fits' if d['fits'] else 'does not fit'}" + (f": {d['warning']}" if d["warning"] else ""))
+    emit(p | d, as_json, text)
+    if not d["fits"]:
+        raise typer.Exit(1)
 
 
 @app.command("distill-eval")

@@ -28,27 +28,94 @@ def token_splits(folder: Path, log):
     return load_split(d, "train"), load_split(d, "val")
 
 
-def distill(model: str, folder: Path, cfg, out: Path | None, log) -> dict:
-    import torch
+TEACHERS = ("auto", "transformers", "runtime")
 
-    from draftexpert.runtime.checkpoint import load_target
-    from draftexpert.training.distill import eval_windows, save_draft_experts, train
 
-    hf, _ = load_target(folder)
-    hf = hf.float()
-    hf.set_experts_implementation("eager")
-    train_data, val_data = token_splits(folder, log)
-    windows = eval_windows(val_data, EVAL_WINDOWS, cfg.seq_len)
-    t0 = time.perf_counter()
+def teacher_kind(model: str, kind: str) -> str:
+    """`auto`: the transformers model for the embedded targets (the whole model is a few MB), the
+    offload runtime for real ones (a 16B target does not fit whole: 31 GB in bf16)."""
+    from bench import registry
+
+    if kind not in TEACHERS:
+        raise ValueError(f"--teacher: {kind!r} is not one of {', '.join(TEACHERS)}")
+    return kind if kind != "auto" else "transformers" if registry.get(model).embedded else "runtime"
+
+
+def check_plan(folder: Path, cfg, kind: str, platform: str, expert_type: str, device: str) -> dict:
+    """The distillation's memory plan (`draftexpert.runtime.params.distill_plan`) checked against
+    this machine before anything loads; raises WontFit with the numbers."""
+    from draftexpert.runtime.params import available_host_bytes, check_distill_fits, distill_plan, plan
+
+    config = json.loads((folder / "config.json").read_text())
+    cuda = device == "cuda"
+    p = plan(config, platform, cuda, 4, expert_type)
+    d = distill_plan(config, p, cfg.intermediate, cfg.seq_len, cfg.batch_size, kind)
+    gpu = None
+    if cuda:
+        import torch
+
+        gpu = torch.cuda.mem_get_info()[0]
+    check_distill_fits(d, available_host_bytes(), gpu)
+    return d
+
+
+def make_teacher(model: str, folder: Path, kind: str, platform: str, expert_type: str, device: str, log):
+    """The frozen target both training paths run through: the transformers model (fp32, eager
+    experts) or the offload runtime over the platform's store (mn: the GGUF expert file of
+    `expert_type`, written once; cg: the host pool)."""
+    from draftexpert.training.distill import RuntimeTeacher, TransformersTeacher
+
+    if kind == "transformers":
+        from draftexpert.runtime.checkpoint import load_target
+
+        hf, _ = load_target(folder)
+        hf = hf.float()
+        hf.set_experts_implementation("eager")
+        return TransformersTeacher(hf)
+    from bench.artifacts import expert_file_for
+    from draftexpert.runtime.loader import build_model
+
+    gguf = expert_file_for(model, folder, expert_type, log=log) if platform == "mn" else None
+    return RuntimeTeacher(build_model(folder, {"mn": "flash", "cg": "host"}[platform], device=device, gguf_path=gguf))
+
+
+def distill(model: str, folder: Path, cfg, out: Path | None, log, teacher: str = "auto", platform: str = "mn",
+            expert_type: str = "q4_0", device: str = "cpu", data=None) -> dict:
+    """Train, save the paired checkpoint with its history and loss curve. `data`: (train tokens,
+    held-out tokens) instead of the corpus's splits in the model's tokenizer."""
     import hashlib
 
+    from draftexpert.training.distill import eval_windows, save_draft_experts, train
+
+    kind = teacher_kind(model, teacher)
+    if platform not in ("mn", "cg"):
+        raise ValueError(f"--platform: {platform!r} is not one of mn, cg (where the runtime teacher's experts live)")
+    plan = check_plan(folder, cfg, kind, platform, expert_type, device)
+    train_data, val_data = data or token_splits(folder, log)
+    windows = eval_windows(val_data, EVAL_WINDOWS, cfg.seq_len)
+    where = "transformers, whole model" if kind == "transformers" else f"the offload runtime on {platform}" + (
+        f" ({expert_type} expert file)" if platform == "mn" else "")
+    log(f"distilling {model}'s draft experts ({cfg.preset}) through {where}; planned "
+        f"{plan['distill_host'] / 2**30:.1f} GiB host" + (f", {plan['distill_accelerator'] / 2**30:.1f} GiB GPU"
+                                                         if plan["distill_accelerator"] else ""))
+    t = make_teacher(model, folder, kind, platform, expert_type, device, log)
+    t0 = time.perf_counter()
     key = hashlib.sha256(json.dumps(asdict(cfg), sort_keys=True).encode()).hexdigest()[:8]
-    draft, history = train(hf, train_data, windows, cfg, WORK / "distill" / f"{model}-{cfg.preset}-{key}", log=log)
+    suffix = "" if kind == "transformers" else f"-{platform}-{expert_type}" if platform == "mn" else f"-{platform}"
+    try:
+        draft, history = train(t, train_data, windows, cfg, WORK / "distill" / f"{model}-{cfg.preset}-{key}{suffix}", log=log)
+    finally:
+        if kind == "runtime":
+            t.model.experts.close()
     out = out or experts_dir(model, folder) / f"{cfg.preset}.safetensors"
     steps = [h for h in history if "loss" in h]
-    meta = {"preset": cfg.preset, "config": asdict(cfg), "steps": len(steps),
+    teacher_desc = {"kind": kind} | ({"platform": platform, "expert_type": expert_type if platform == "mn" else None,
+                                      "device": device} if kind == "runtime" else {})
+    meta = {"preset": cfg.preset, "config": asdict(cfg), "steps": len(steps), "teacher": teacher_desc,
             "tokens": sum(h["tokens"] for h in steps), "train_seconds": sum(h["seconds"] for h in steps),
-            "command": f"bench distill --model {model} --preset {cfg.preset}"}
+            "command": f"bench distill --model {model} --preset {cfg.preset}" + (
+                f" --teacher runtime --platform {platform}" + (f" --expert-type {expert_type}" if platform == "mn" else "")
+                if kind == "runtime" else "")}
     save_draft_experts(out, draft.export(), folder, meta)
     with open(out.with_suffix(".history.jsonl"), "w") as f:
         for h in history:
@@ -56,7 +123,6 @@ def distill(model: str, folder: Path, cfg, out: Path | None, log) -> dict:
     if steps:
         loss_curve(history, out.with_suffix(".loss.png"), f"{model} draft experts, preset {cfg.preset}")
     log(f"wrote {out} ({time.perf_counter() - t0:.0f} s this session)")
-    del torch
     return {"model": model, "out": str(out), **meta}
 
 
@@ -91,7 +157,8 @@ def distill_eval(model: str, folder: Path, presets: list[str], prompts: list[dic
     from draftexpert.runtime.loader import build_model
     from draftexpert.speculation.drafters import DraftExperts, draftexpert
     from draftexpert.speculation.round import SpecConfig, SpeculativeDecoder
-    from draftexpert.training.distill import DraftExpertModule, eval_windows, evaluate, load_draft_experts, moe_layers
+    from draftexpert.training.distill import (DraftExpertModule, TransformersTeacher, eval_windows, evaluate,
+                                              load_draft_experts, moe_layers)
 
     hf, tok = load_target(folder)
     hf = hf.float()
@@ -113,7 +180,7 @@ def distill_eval(model: str, folder: Path, presets: list[str], prompts: list[dic
             experts, meta = load_draft_experts(path, folder)
         module = DraftExpertModule(layers, lean.cfg.hidden, experts.intermediate, seed=0)
         module.load_experts(experts)
-        row = evaluate(hf, module, windows)
+        row = evaluate(TransformersTeacher(hf), module, windows)
         dec = SpeculativeDecoder(TorchEngine(lean, draftexpert(lean, experts)),
                                  SpecConfig(k_max=4, truncate=False, prefetch=True))
         runs = [dec.generate(render_prompt(tok, p["prompt"]), max_new_tokens, tok.eos_token_id).stats for p in prompts]

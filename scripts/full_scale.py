@@ -11,7 +11,9 @@ For each expert type (one at a time: its expert file is deleted before the next 
 RSS and the group's peak (RSS + page cache it charged), tok/s and the loading share from the
 records; then cg's plan for the paper's host (`bench plan --model ds --platform cg --host-mem
 64GiB --gpu-mem 24GiB`) and a 24 GiB one. DraftExpert runs the zero draft expert (= shared+top-1:
-ds has no distilled draft experts). The first run of a type includes writing its expert file.
+ds has no distilled draft experts), then — after `--distill-steps` of `bench distill --teacher runtime`
+(the teacher streamed from the Q4_0 expert file, in the same cap) — the draft experts it wrote.
+The first run of a type includes writing its expert file.
 """
 from __future__ import annotations
 
@@ -154,6 +156,40 @@ def run_child(args: list[str], cap: MemoryCap | None, env: dict, scratch: Path) 
             "group_peak": cap.peak() if cap else None}
 
 
+def distill_rows(a, bench: list[str], ckpt: Path, cap, env: dict, log) -> list[dict]:
+    """A few distillation steps where inference runs (the runtime teacher over the Q4_0 expert
+    file, 1 window of 64 tokens a step), then DraftExpert decoding with the draft experts written."""
+    out = a.dir / "runs" / "draft_experts.safetensors"
+    cmds = [("distill", [*bench, "distill", "--model", a.model, "--model-path", str(ckpt), "--teacher", "runtime",
+                         "--platform", "mn", "--expert-type", "q4_0", "--steps", str(a.distill_steps), "--batch-size",
+                         "1", "--seq-len", "64", "--threads", "2", "--out", str(out), "--json"]),
+            ("draftexpert, distilled", [*bench, "run", "--model", a.model, "--model-path", str(ckpt), "--platform", "mn",
+                                        "--expert-type", "q4_0", "--method", "draftexpert", "--suite", "gsm8k",
+                                        "--limit", "1", "--max-new-tokens", str(a.tokens), "--out",
+                                        str(a.dir / "runs" / "q4_0-torch-draftexpert-distilled"), "--json",
+                                        "--draft-experts", str(out)])]
+    rows = []
+    for what, cmd in cmds:
+        log(f"== q4_0 torch {what}")
+        r = run_child(cmd, cap, env, a.dir / "scratch")
+        row = {"type": "q4_0", "engine": "torch", "method": what, "args": "", "rc": r["rc"],
+               "seconds": round(r["seconds"], 1), "peak_rss_gib": round(r["peak_rss"] / 2**30, 2),
+               "group_peak_gib": r["group_peak"] and round(r["group_peak"] / 2**30, 2)}
+        if r["rc"] == 0 and what == "distill":
+            d = json.loads(r["stdout"])
+            row.update(steps=d["steps"], s_per_step=round(d["train_seconds"] / max(1, d["steps"]), 1))
+        elif r["rc"] == 0:
+            rec = json.loads(r["stdout"])["records"][0]
+            row.update(tok_s=rec["decode_tps"], loading_share=rec.get("loading_share"), new_tokens=rec["new_tokens"])
+        else:
+            row["error"] = r["stderr"].strip().splitlines()[-1:] or ["(killed)"]
+        rows.append(row)
+        log(json.dumps(row))
+        if r["rc"]:
+            break
+    return rows
+
+
 def parse_size(text: str) -> int:
     import re
 
@@ -170,6 +206,8 @@ def main() -> int:
     ap.add_argument("--types", default="q4_0,bf16")
     ap.add_argument("--tokens", type=int, default=4)
     ap.add_argument("--keep", action="store_true", help="keep the checkpoint and the expert files")
+    ap.add_argument("--distill-steps", type=int, default=2, help="steps of `bench distill --teacher runtime` "
+                    "on mn q4_0, then DraftExpert with those draft experts (0: skip)")
     ap.add_argument("--model", default="ds", help="the registry name the checkpoint is run as (smoke runs: ds-tiny)")
     ap.add_argument("--config", type=Path, default=REPO / "bench" / "model_facts" / "ds.json")
     a = ap.parse_args()
@@ -211,6 +249,8 @@ def main() -> int:
                     row["error"] = r["stderr"].strip().splitlines()[-1:] or ["(killed)"]
                 rows.append(row)
                 log(json.dumps(row))
+            if qtype == "q4_0" and a.distill_steps:
+                rows += distill_rows(a, bench, ckpt, cap, env, log)
             for f in cache.rglob(f"*{qtype}*"):  # this type's expert file and heads: room for the next
                 f.unlink() if f.is_file() or f.is_symlink() else shutil.rmtree(f)
         for host in ("64GiB", "24GiB"):

@@ -4,8 +4,8 @@ import pytest
 import torch
 from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
 
-from draftexpert.training.distill import (DistillConfig, DistillError, DraftExpertModule, draft_pass, eval_windows, load_draft_experts,
-                                 losses, save_draft_experts, target_pass, train)
+from draftexpert.training.distill import (DistillConfig, DistillError, DraftExpertModule, TransformersTeacher, draft_pass,
+                                          eval_windows, load_draft_experts, losses, save_draft_experts, target_pass, train)
 from draftexpert.speculation.drafters import draftexpert
 from draftexpert.runtime.model import KVCache, ModelConfig, from_hf_model
 
@@ -15,12 +15,13 @@ COMMON = dict(vocab_size=300, hidden_size=64, intermediate_size=128, moe_interme
               qk_rope_head_dim=8, v_head_dim=16, n_group=1, topk_group=1, initializer_range=0.3)
 
 
-def model(version: str, top_k: int = 4):
+def model(version: str, top_k: int = 4, layers: int = 3):
     torch.manual_seed(0)
+    common = COMMON | {"num_hidden_layers": layers}
     if version == "v2":
-        m = DeepseekV2ForCausalLM(DeepseekV2Config(**COMMON, num_experts_per_tok=top_k, topk_method="greedy"))
+        m = DeepseekV2ForCausalLM(DeepseekV2Config(**common, num_experts_per_tok=top_k, topk_method="greedy"))
     else:
-        m = DeepseekV3ForCausalLM(DeepseekV3Config(**COMMON, num_experts_per_tok=top_k, norm_topk_prob=True,
+        m = DeepseekV3ForCausalLM(DeepseekV3Config(**common, num_experts_per_tok=top_k, norm_topk_prob=True,
                                                    routed_scaling_factor=2.5))
         for layer in m.model.layers[1:]:
             layer.mlp.gate.e_score_correction_bias.normal_(0, 0.05)
@@ -84,15 +85,16 @@ def test_distillation_trains_only_the_draft_experts(tmp_path):
     data = np.random.default_rng(0).integers(3, 300, 4000).astype(np.uint16)
     cfg = DistillConfig(preset="full", intermediate=8, steps=6, batch_size=2, seq_len=16, eval_every=3,
                         checkpoint_every=3, warmup=1)
-    draft, hist = train(hf, data, eval_windows(data, 4, 16), cfg, tmp_path / "state", log=lambda m: None, progress=False)
+    teacher = TransformersTeacher(hf)
+    draft, hist = train(teacher, data, eval_windows(data, 4, 16), cfg, tmp_path / "state", log=lambda m: None, progress=False)
     assert all(torch.equal(before[k], v) for k, v in hf.state_dict().items())
     assert all(p.abs().sum() > 0 for p in draft.down.values())  # started at 0, moved
     assert {"res", "logit", "tok", "router", "loss"} <= set(hist[0]) and "eval" in hist[2]
     # resuming a finished run does nothing more and returns the same experts
-    again, hist2 = train(hf, data, eval_windows(data, 4, 16), cfg, tmp_path / "state", log=lambda m: None, progress=False)
+    again, hist2 = train(teacher, data, eval_windows(data, 4, 16), cfg, tmp_path / "state", log=lambda m: None, progress=False)
     assert len(hist2) == 6 and all(torch.equal(a, b) for a, b in zip(draft.parameters(), again.parameters()))
     with pytest.raises(DistillError, match="another configuration"):
-        train(hf, data, [], DistillConfig(preset="residual", intermediate=8, steps=6, batch_size=2, seq_len=16),
+        train(teacher, data, [], DistillConfig(preset="residual", intermediate=8, steps=6, batch_size=2, seq_len=16),
               tmp_path / "state", log=lambda m: None, progress=False)
 
 
@@ -112,3 +114,59 @@ def test_checkpoint_refuses_a_foreign_target(tmp_path):
         load_draft_experts(tmp_path / "missing.safetensors", tmp_path / "a")
     with pytest.raises(DistillError, match="unknown preset"):
         DistillConfig(preset="everything")
+
+
+@pytest.mark.parametrize("version", ["v2", "v3"])
+@pytest.mark.parametrize("store", ["host", "flash"])
+def test_the_runtime_teacher_is_the_transformers_teacher(version, store, tmp_path):
+    """Distillation where inference runs: both paths through the offload runtime (experts streamed
+    from the store, the draft path's top-1 term recomputed in the backward) give transformers'
+    activations, every loss term and the draft experts' gradients (fp32, f32 expert file)."""
+    from draftexpert.runtime.loader import build_model, convert_experts
+    from draftexpert.training.distill import PRESETS, RuntimeTeacher, TransformersTeacher, total_loss
+
+    hf = model(version, layers=5)  # 4 MoE layers: the backward needs every layer's cache rows unchanged
+    hf.save_pretrained(tmp_path / "ckpt")
+    gguf = convert_experts(tmp_path / "ckpt", tmp_path / "experts.gguf", "f32") if store == "flash" else None
+    lean = build_model(tmp_path / "ckpt", store, gguf_path=gguf)
+    teachers = TransformersTeacher(hf), RuntimeTeacher(lean)
+    draft = DraftExpertModule([1, 2, 3, 4], 64, 8, seed=1)
+    with torch.no_grad():
+        for p in draft.down.values():
+            p.normal_(0, 0.3)  # a draft expert that changes the draft path (down starts at 0)
+    got = []
+    for t in teachers:
+        target, drafted = t.target_pass(X), t.draft_pass(draft, X)
+        parts = losses(target, drafted, PRESETS["full"])
+        draft.zero_grad()
+        t.backward(total_loss(parts, DistillConfig()))
+        got.append((target, drafted, parts, {n: p.grad.clone() for n, p in draft.named_parameters()}))
+    (ta, da, pa, ga), (tb, db, pb, gb) = got
+    assert (ta["logits"] - tb["logits"]).abs().max() < 1e-4 and (da["logits"] - db["logits"]).abs().max() < 1e-4
+    for i in (1, 2, 3, 4):
+        assert (ta["layers"][i]["m"] - tb["layers"][i]["m"]).abs().max() < 1e-4
+        assert torch.equal(ta["layers"][i]["topk"], tb["layers"][i]["topk"])
+        assert torch.equal(da["layers"][i]["topk"], db["layers"][i]["topk"])
+    for k in pa:
+        assert torch.isclose(pa[k], pb[k], rtol=1e-4, atol=1e-6), k
+    for n in ga:
+        assert torch.allclose(ga[n], gb[n], rtol=1e-3, atol=1e-5), n
+    by_phase = lean.experts.ledger.summary()["by_phase"]
+    assert by_phase["distill-target"]["loads"] > 0 and by_phase["distill-backward"]["loads"] > 0  # recomputed, streamed
+
+
+def test_distillation_runs_through_the_offload_runtime(tmp_path):
+    """`train` with the runtime teacher over the flash store (Q4_0 experts, as on mn): it trains."""
+    import numpy as np
+
+    from draftexpert.runtime.loader import build_model, convert_experts
+    from draftexpert.training.distill import RuntimeTeacher
+
+    model("v3").save_pretrained(tmp_path / "ckpt")
+    lean = build_model(tmp_path / "ckpt", "flash", gguf_path=convert_experts(tmp_path / "ckpt", tmp_path / "e.gguf", "q4_0"))
+    data = np.random.default_rng(0).integers(3, 300, 4000).astype(np.uint16)
+    cfg = DistillConfig(preset="full", intermediate=8, steps=3, batch_size=2, seq_len=16, eval_every=3, warmup=1)
+    draft, hist = train(RuntimeTeacher(lean), data, eval_windows(data, 4, 16), cfg, tmp_path / "state",
+                        log=lambda m: None, progress=False)
+    assert all(p.abs().sum() > 0 for p in draft.down.values()) and len(hist) == 3
+    assert 0 <= hist[-1]["eval"]["router_agreement"] <= 1

@@ -330,7 +330,10 @@ class MoEModel:
         cache.length += T
         return logits
 
-    def _forward(self, ids, cache, path, phase):
+    def _forward(self, ids, cache, path, phase, moe=None):
+        """The eager forward; `moe` replaces `self.moe` (same signature) — the distillation
+        teacher's taps (`draftexpert.training.distill.RuntimeTeacher`)."""
+        moe = moe or self.moe
         T, start = ids.shape[0], cache.length
         cos, sin = self.rope_tables(start, T)  # [T, d_r/2]
         pos, keys = cache.positions[start:start + T], cache.positions[:start + T]
@@ -342,7 +345,7 @@ class MoEModel:
                 continue
             if self.router_logits is not None:
                 self.router_logits[i] = logits
-            x = self.moe(x, h, i, w, idx, path, phase)
+            x = moe(x, h, i, w, idx, path, phase)
         return self.head(x)
 
     # -- compiled one-token step ------------------------------------------------------------

@@ -236,3 +236,50 @@ def working_set_bound(p: dict, host_bytes: int | None, accelerator_bytes: int | 
     if have is None or p[mem] <= headroom * have or p["store"] == "resident":
         return 0
     return max(0, int(headroom * have) - (p[mem] - p["working_set"]))
+
+
+def distill_plan(cfg: dict, p: dict, intermediate: int, seq_len: int, batch: int, teacher: str) -> dict:
+    """What distilling draft experts adds to a platform's plan `p` (the store's, `plan`), in
+    bytes — an estimate, from the config alone:
+      distill_state        the draft experts in fp32 with their gradients and AdamW's two
+                           moments: 16 bytes × n_moe · 3 · H · I_d
+      distill_logits       the target's and the draft's logits over a batch (B · T · V, fp32),
+                           with the log-softmax copies the losses make: 6 × B · T · V · 4
+      distill_activations  what the draft pass keeps for its backward, per layer and token: the
+                           residual stream and norms, attention's projections and scores, the
+                           shared and draft experts' hidden units, the teacher's per-layer targets
+      distill_experts      one layer's experts at a time (the teacher's union over a window, the
+                           draft path's top-1 recomputed in the backward), in the compute dtype
+    `teacher` runtime: those beside the store's non-routed weights (no round's working set);
+    transformers: the whole model in fp32 instead (every expert resident)."""
+    b = breakdown(cfg)
+    H, V, L, E = cfg["hidden_size"], cfg["vocab_size"], cfg["num_hidden_layers"], cfg.get("n_routed_experts") or 0
+    k, I = cfg.get("num_experts_per_tok") or 0, cfg["moe_intermediate_size"]
+    moe = sum(is_moe_layer(cfg, i) for i in range(L))
+    heads, d_qk = cfg["num_attention_heads"], cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"]
+    shared = (cfg.get("n_shared_experts") or 0) * I
+    per_token_layer = 4 * (8 * H + heads * (2 * d_qk + cfg["v_head_dim"]) + heads * seq_len + 3 * shared + 3 * intermediate
+                           + 2 * E)
+    d = {"teacher": teacher, "distill_state": 16 * moe * 3 * H * intermediate,
+         "distill_logits": 6 * batch * seq_len * V * 4,
+         "distill_activations": batch * seq_len * L * per_token_layer,
+         "distill_experts": min(E, seq_len * k) * 3 * H * I * p["dtype_bytes"]}
+    extra = d["distill_state"] + d["distill_logits"] + d["distill_activations"]
+    device = p["accelerator_weights"] + d["distill_experts"] + extra  # training runs where the model computes
+    host = p["host_pool"] + p["host_load_transient"]
+    if teacher == "transformers":
+        d["distill_host"], d["distill_accelerator"] = b.total * 4 + extra, 0
+    else:
+        d["distill_host"], d["distill_accelerator"] = (host, device) if p["cuda"] else (host + device, 0)
+    return d
+
+
+def check_distill_fits(d: dict, host_bytes: int | None, accelerator_bytes: int | None, headroom: float = 0.9) -> None:
+    """Refuse a distillation plan (`distill_plan`) that does not fit, with the numbers and what to do."""
+    for mem, have in (("host", host_bytes), ("accelerator", accelerator_bytes)):
+        need = d[f"distill_{mem}"]
+        if have is not None and need > headroom * have:
+            hint = ("--teacher runtime streams the experts instead of holding the whole model"
+                    if d["teacher"] == "transformers" else "lower --seq-len / --batch-size / --intermediate")
+            raise WontFit(f"distilling with the {d['teacher']} teacher needs {need / GIB:.1f} GiB of {mem} memory, "
+                          f"but {have / GIB:.1f} GiB is available: {hint} (`bench plan --distill` shows where the bytes go)")

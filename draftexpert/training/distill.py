@@ -1,7 +1,9 @@
 """Self-distilled draft experts (Eq. 6–11): one resident draft expert per MoE layer, trained so that
 shared + top-1 + γ·draft expert agrees with the frozen full MoE.
 
-Paths, on the same teacher-forced tokens x [B, T] through the frozen transformers model:
+Paths, on the same teacher-forced tokens x [B, T] through the frozen target — the transformers
+model (`TransformersTeacher`) or the offload runtime over the user's expert store (`RuntimeTeacher`,
+the one a 16B target fits in):
   target path  the unmodified model: h*_l enters MoE layer l, y*_l leaves it, z* are the logits.
   draft path   every MoE layer computes y^d_l = S_l(h^d) + g_{l,e1} E_{l,e1}(h^d) + γ_l E^d_l(h^d)
                (Eq. 5), e1 the router's first choice on h^d; z^d are its logits. The gate weight
@@ -97,8 +99,8 @@ class DraftExpertModule(nn.Module):
             self.gamma[str(i)].fill_(experts.gamma[i])
 
     def export(self) -> DraftExperts:
-        return DraftExperts({i: self.gate_up[str(i)].detach().clone() for i in self.layers},
-                            {i: self.down[str(i)].detach().clone() for i in self.layers},
+        return DraftExperts({i: self.gate_up[str(i)].detach().cpu().clone() for i in self.layers},
+                            {i: self.down[str(i)].detach().cpu().clone() for i in self.layers},
                             {i: float(self.gamma[str(i)].detach()) for i in self.layers})
 
 
@@ -181,6 +183,129 @@ def draft_pass(model, cfg: ModelConfig, draft: DraftExpertModule, x: torch.Tenso
         for i, moe in moe_layers(model):
             del moe.forward  # the class's forward again
     return {"logits": z, "layers": acts}
+
+
+# -- teachers: where the two paths run ----------------------------------------------------------
+
+class TransformersTeacher:
+    """Both paths through the frozen transformers model — the whole target in memory (the
+    embedded models; a 16B checkpoint does not fit: `RuntimeTeacher`)."""
+
+    def __init__(self, hf_model):
+        self.model = hf_model.requires_grad_(False).eval()
+        self.cfg, self.device = ModelConfig.from_hf(hf_model.config), next(hf_model.parameters()).device
+        self.moe_layers = [i for i, _ in moe_layers(hf_model)]
+
+    def target_pass(self, x: torch.Tensor) -> dict:
+        return target_pass(self.model, self.cfg, x)
+
+    def draft_pass(self, draft: DraftExpertModule, x: torch.Tensor) -> dict:
+        return draft_pass(self.model, self.cfg, draft, x)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+
+class RuntimeTeacher:
+    """Both paths through the offload runtime (`MoEModel` over the user's store: the host pool on
+    cg, the GGUF expert file on mn) — where the user's inference runs, so a 16B target never sits in
+    memory whole: each layer's experts stream through the store as decoding's do. The teacher is
+    the store's target (on mn: the Q4_0 experts verification uses). Windows run one after another
+    (a fresh KV cache each); per layer the draft path's top-1 term is checkpointed, so its
+    backward fetches that layer's experts again instead of autograd keeping every expert the
+    pass touched (memory: one layer's experts, not the model's). Ledger phases `distill-target`,
+    `distill-draft`, `distill-backward` count the loads."""
+
+    def __init__(self, model):
+        self.model, self.cfg, self.device = model, model.cfg, model.embed.device
+        self.moe_layers = [i for i in range(self.cfg.layers) if self.cfg.is_moe(i)]
+        self._tokens = 0
+
+    def _routed(self, i: int, h: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, phase: str):
+        """(first-choice term, the other choices' terms) of layer i: Σ_k w_k E_k(h) split at k = 0,
+        each unique expert fetched once and run on every token that chose it (h [T, H], w / idx [T, r])."""
+        m, r = self.model, idx.shape[1]
+        flat = idx.flatten()
+        order = torch.argsort(flat, stable=True)
+        unique, counts = torch.unique(flat, return_counts=True)
+        unique, counts = torch.stack([unique, counts]).tolist()
+        first, rest, start = torch.zeros_like(h), torch.zeros_like(h), 0
+        for j, (gu, dn) in enumerate(m.experts.fetch_iter(i, unique, phase)):
+            rows = order[start:start + counts[j]]
+            start += counts[j]
+            tok, slot = rows // r, rows % r
+            y = m.mlp(h[tok], gu, dn) * w[tok, slot, None]
+            top = slot == 0
+            first = first.index_add(0, tok[top], y[top])
+            rest = rest.index_add(0, tok[~top], y[~top])
+        return first, rest
+
+    class _Cache:
+        """A window's KV cache with one tensor per layer: autograd keeps each layer's rows for the
+        backward, and writing the next layer must not bump their version (the views of one
+        [layers, S, r] tensor, `KVCache`'s, share a version counter)."""
+
+        def __init__(self, model, T: int):
+            c, dev, dt = model.cfg, model.embed.device, model.embed.dtype
+            self.c_kv = [torch.zeros(T, c.r_kv, device=dev, dtype=dt) for _ in range(c.layers)]
+            self.k_pe = [torch.zeros(T, c.d_rope, device=dev, dtype=dt) for _ in range(c.layers)]
+            self.positions, self.length, self.max_len = torch.arange(T, device=dev), 0, T
+
+    def _windows(self, x: torch.Tensor, moe, phase: str) -> torch.Tensor:
+        """logits [B, T, V] of the runtime's forward over each window of x [B, T], MoE layers by `moe`."""
+        m, out = self.model, []
+        m.router_logits = {}
+        try:
+            for ids in x:
+                with m.experts.ledger.forward(phase, ids.shape[0]):
+                    out.append(m._forward(ids, self._Cache(m, ids.shape[0]), None, phase, moe=moe))
+        finally:
+            m.router_logits = None
+        return torch.stack(out)
+
+    def _gather(self, per_window: list[dict]) -> dict:
+        """Per layer, each activation concatenated over windows ([B·T, …], row-major as [B, T])."""
+        return {i: {k: torch.cat([w[i][k] for w in per_window]) for k in per_window[0][i]} for i in per_window[0]}
+
+    @torch.no_grad()
+    def target_pass(self, x: torch.Tensor) -> dict:
+        m, acts = self.model, []
+
+        def moe(x_, h, i, w, idx, path, phase):
+            if i == self.moe_layers[0]:
+                acts.append({})
+            L = m.layers[i]
+            first, rest = self._routed(i, h, w, idx, phase)
+            acts[-1][i] = {"m": rest, "log_r": router_distribution(m.router_logits[i], self.cfg), "topk": idx}
+            return x_ + m.mlp(h, L["shared_gate_up"], L["shared_down"]) + first + rest
+
+        logits = self._windows(x, moe, "distill-target")
+        return {"logits": logits, "layers": self._gather(acts)}
+
+    def draft_pass(self, draft: DraftExpertModule, x: torch.Tensor) -> dict:
+        from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
+
+        m, acts = self.model, []
+
+        def moe(x_, h, i, w, idx, path, phase):
+            if i == self.moe_layers[0]:
+                acts.append({})
+            L = m.layers[i]
+            e1 = idx[:, :1]
+            with set_checkpoint_early_stop(False):  # the recompute runs to the end: its loads reach the ledger
+                top1 = checkpoint(lambda h_, w_: self._routed(i, h_, w_, e1, phase)[0], h, w[:, :1],
+                                  use_reentrant=False)
+            de = draft(i, h.float()).to(h.dtype)
+            acts[-1][i] = {"de": de, "log_r": router_distribution(m.router_logits[i], self.cfg), "topk": idx}
+            return x_ + m.mlp(h, L["shared_gate_up"], L["shared_down"]) + top1 + de
+
+        self._tokens = x.numel()
+        logits = self._windows(x, moe, "distill-draft")
+        return {"logits": logits, "layers": self._gather(acts)}
+
+    def backward(self, loss: torch.Tensor) -> None:
+        with self.model.experts.ledger.forward("distill-backward", self._tokens):
+            loss.backward()
 
 
 def losses(target: dict, draft: dict, terms: tuple[str, ...], temperature: float = 1.0) -> dict[str, torch.Tensor]:
@@ -302,15 +427,14 @@ def eval_windows(data, n: int, seq_len: int) -> list[torch.Tensor]:
 
 
 @torch.no_grad()
-def evaluate(model, draft: DraftExpertModule, windows: list[torch.Tensor]) -> dict:
+def evaluate(teacher, draft: DraftExpertModule, windows: list[torch.Tensor]) -> dict:
     """Table 5's platform-independent metrics on held-out windows (teacher-forced):
       kl                = mean over tokens of KL(target ‖ draft) of the next-token distributions
       token_agreement   = fraction of tokens with draft argmax = target argmax
       router_agreement  = mean over MoE layers and tokens of |draft top-k ∩ target top-k| / k"""
-    cfg = ModelConfig.from_hf(model.config)
     tot = {"kl_sum": 0.0, "agree": 0, "tokens": 0, "router_sum": 0.0, "router_n": 0}
     for x in windows:
-        a = agreement(target_pass(model, cfg, x), draft_pass(model, cfg, draft, x), cfg.top_k)
+        a = agreement(teacher.target_pass(x), teacher.draft_pass(draft, x), teacher.cfg.top_k)
         for k in tot:
             tot[k] += a[k]
     return {"kl": tot["kl_sum"] / tot["tokens"], "token_agreement": tot["agree"] / tot["tokens"],
@@ -326,23 +450,22 @@ def lr_at(step: int, cfg: DistillConfig) -> float:
     return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
 
 
-def train(model, train_data, val_windows: list[torch.Tensor], cfg: DistillConfig, state_dir: Path,
+def train(teacher, train_data, val_windows: list[torch.Tensor], cfg: DistillConfig, state_dir: Path,
           log=print, progress: bool = True) -> tuple[DraftExpertModule, list[dict]]:
-    """Distil draft experts for the frozen transformers `model` (resumable from `state_dir`).
+    """Distil draft experts against a frozen target (`TransformersTeacher` or `RuntimeTeacher`;
+    resumable from `state_dir`).
     Returns the module and the history: one record per step (each loss term, lr, seconds) and an
     evaluation record every `eval_every` steps."""
     import time
 
     torch.set_num_threads(cfg.threads)
-    model.requires_grad_(False).eval()
-    mcfg = ModelConfig.from_hf(model.config)
-    draft = DraftExpertModule([i for i, _ in moe_layers(model)], mcfg.hidden, cfg.intermediate, cfg.learn_gamma,
-                              cfg.seed)
+    draft = DraftExpertModule(teacher.moe_layers, teacher.cfg.hidden, cfg.intermediate, cfg.learn_gamma,
+                              cfg.seed).to(teacher.device)  # trained where the model computes
     terms = PRESETS[cfg.preset]
     opt = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=0.0)
     state_path, start, history = Path(state_dir) / "state.pt", 0, []
     if state_path.exists():
-        st = torch.load(state_path, weights_only=False)
+        st = torch.load(state_path, weights_only=False, map_location=teacher.device)
         if st["config"] != asdict(cfg):
             raise DistillError(f"{state_path} holds a run with another configuration ({st['config']}); "
                                "delete it or pass the same options to resume")
@@ -362,16 +485,16 @@ def train(model, train_data, val_windows: list[torch.Tensor], cfg: DistillConfig
         for g in opt.param_groups:
             g["lr"] = lr_at(step, cfg)
         x = sample_batch(train_data, step, cfg)
-        parts = losses(target_pass(model, mcfg, x), draft_pass(model, mcfg, draft, x), terms, cfg.temperature)
+        parts = losses(teacher.target_pass(x), teacher.draft_pass(draft, x), terms, cfg.temperature)
         loss = total_loss(parts, cfg)
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        teacher.backward(loss)
         torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
         opt.step()
         rec = {"step": step + 1, "loss": loss.item(), **{k: v.item() for k, v in parts.items()},
                "lr": opt.param_groups[0]["lr"], "seconds": time.perf_counter() - t0, "tokens": x.numel()}
         if (step + 1) % cfg.eval_every == 0 or step + 1 == steps:
-            rec["eval"] = evaluate(model, draft, val_windows)
+            rec["eval"] = evaluate(teacher, draft, val_windows)
             log(f"step {step + 1}: loss {rec['loss']:.4f} " + " ".join(f"{k} {rec[k]:.4f}" for k in parts)
                 + f" | held-out KL {rec['eval']['kl']:.4f}, token agreement {rec['eval']['token_agreement']:.3f}, "
                   f"router agreement {rec['eval']['router_agreement']:.3f}")
