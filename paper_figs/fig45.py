@@ -71,7 +71,7 @@ def figure(per_model: dict[str, dict], out_stem: Path, source: str) -> list[Path
     ax4.set_title("Fig. 4: dense vs MoE verification, offloaded (measured)", fontsize=9)
     ax5.set_xlabel("verify block length L")
     ax5.set_ylabel("unique routed layer-experts |U(B)|")
-    ax5.set_title("Fig. 5: unique experts vs block length (dotted: L · AR; paper: no numbers)", fontsize=9)
+    ax5.set_title("Fig. 5: unique experts vs L (dotted: L · AR step; paper: no values)", fontsize=9)
     for ax in (ax4, ax5):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
