@@ -20,7 +20,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from draftexpert import metrics  # noqa: E402
 from paper_figs import paper  # noqa: E402
-from paper_figs.output import save  # noqa: E402
+from paper_figs.output import require, save  # noqa: E402
 
 PAPER_SPEEDUP = {p: paper.TABLE2[("ds", p)]["speedup"] for p in ("mn", "cg")}  # DS rows of the paper's Table 2
 PAPER_MN_LOADING_SHARE = paper.MN_DS_OFFLOAD_SHARE  # Flash-staged vs resident AR
@@ -32,6 +32,10 @@ def rows(res: dict) -> list[dict]:
     out = []
     for cell in res["caps"]:
         m, bw = cell["methods"], cell["read_bw"]
+        cap = f"the regime's cell at {bw / 1e6:.0f} MB/s" if bw else "the regime's uncapped cell"
+        require(m, ("ar", "draftexpert"), f"{cap}: methods")
+        for label in ("ar", "draftexpert"):
+            require(m[label], ("decode_tps", "loading_share", "speedup"), f"{cap}: row {label!r}")
         best = max((r for r in TOP_R if r in m), key=lambda r: m[r]["decode_tps"], default=None)
         row = {"read_bw": bw, "ar_tps": m["ar"]["decode_tps"], "ar_loading_share": m["ar"]["loading_share"],
                "best_top_r": best, "top_r_speedup": m[best]["speedup"] if best else None,

@@ -101,5 +101,8 @@ def test_regime_table_and_figure(tmp_path):
     out = regime.figure([res, {**res, "engine": "llama.cpp"}], tmp_path / "regime", "fixture")
     assert all(p.stat().st_size > 1000 for p in out)
     del res["caps"][0]["methods"]["draftexpert"]
-    with pytest.raises(KeyError):
+    with pytest.raises(ValueError, match="16 MB/s: methods lacks column.*draftexpert"):
         regime.table(res)  # a missing method is an error, not a silent blank
+    del res["caps"][1]["methods"]["ar"]["loading_share"]
+    with pytest.raises(ValueError, match="64 MB/s: row 'ar' lacks column.*loading_share"):
+        regime.rows({**res, "caps": res["caps"][1:]})
