@@ -1073,6 +1073,8 @@ def distill_cmd(model: ModelOpt = "ds-tiny", model_path: ModelPathOpt = None,
                                                       "the target mn verifies with) | cg (the host pool)")] = "mn",
                 expert_type: ExpertTypeOpt = "q4_0",
                 device: Annotated[str, typer.Option("--device", help="runtime teacher: cpu | cuda (cg)")] = "cpu",
+                held_out: Annotated[int, typer.Option("--held-out", min=1, help="Validation windows evaluated "
+                                                      "during training (KL, agreement).")] = 32,
                 as_json: JsonOpt = False):
     """Self-distil the draft experts of a frozen target (Eq. 6–11) on the corpus's training split;
     resumable; writes a safetensors checkpoint paired with the target's weights. The memory plan
@@ -1096,7 +1098,7 @@ def distill_cmd(model: ModelOpt = "ds-tiny", model_path: ModelPathOpt = None,
                             seq_len=seq_len, lr=lr, intermediate=intermediate or load_config(folder).moe_intermediate_size,
                             learn_gamma=not fixed_gamma, threads=threads, seed=seed, alpha=alpha, beta=beta, eta=eta)
         r = bd.distill(model, folder, cfg, out, log, teacher=teacher, platform=platform, expert_type=expert_type,
-                       device=device)
+                       device=device, held_out=held_out)
     except DistillError as e:
         fail(f"--preset / checkpoint: {e}")
     except WontFit as e:

@@ -80,9 +80,10 @@ def make_teacher(model: str, folder: Path, kind: str, platform: str, expert_type
 
 
 def distill(model: str, folder: Path, cfg, out: Path | None, log, teacher: str = "auto", platform: str = "mn",
-            expert_type: str = "q4_0", device: str = "cpu", data=None) -> dict:
+            expert_type: str = "q4_0", device: str = "cpu", data=None, held_out: int = EVAL_WINDOWS) -> dict:
     """Train, save the paired checkpoint with its history and loss curve. `data`: (train tokens,
-    held-out tokens) instead of the corpus's splits in the model's tokenizer."""
+    held-out tokens) instead of the corpus's splits in the model's tokenizer; `held_out`: windows
+    of the validation split evaluated every `eval_every` steps and at the end."""
     import hashlib
 
     from draftexpert.training.distill import eval_windows, save_draft_experts, train
@@ -92,7 +93,7 @@ def distill(model: str, folder: Path, cfg, out: Path | None, log, teacher: str =
         raise ValueError(f"--platform: {platform!r} is not one of mn, cg (where the runtime teacher's experts live)")
     plan = check_plan(folder, cfg, kind, platform, expert_type, device)
     train_data, val_data = data or token_splits(folder, log)
-    windows = eval_windows(val_data, EVAL_WINDOWS, cfg.seq_len)
+    windows = eval_windows(val_data, held_out, cfg.seq_len)
     where = "transformers, whole model" if kind == "transformers" else f"the offload runtime on {platform}" + (
         f" ({expert_type} expert file)" if platform == "mn" else "")
     log(f"distilling {model}'s draft experts ({cfg.preset}) through {where}; planned "
@@ -147,7 +148,7 @@ def loss_curve(history: list[dict], path: Path, title: str) -> None:
 
 
 def distill_eval(model: str, folder: Path, presets: list[str], prompts: list[dict], max_new_tokens: int,
-                 seq_len: int, log) -> dict:
+                 seq_len: int, log, held_out: int = EVAL_WINDOWS) -> dict:
     """Table 5 per preset: KL, token agreement, router agreement on held-out windows; acceptance
     and prefetch hit rate of DraftExpert at K = 4 (no truncation, prefetch on, cold host store)."""
     from bench.prompts import render_prompt
@@ -164,7 +165,7 @@ def distill_eval(model: str, folder: Path, presets: list[str], prompts: list[dic
     hf = hf.float()
     hf.set_experts_implementation("eager")
     _, val_data = token_splits(folder, log)
-    windows = eval_windows(val_data, EVAL_WINDOWS, seq_len)
+    windows = eval_windows(val_data, held_out, seq_len)
     lean = build_model(folder, "host")
     layers = [i for i, _ in moe_layers(hf)]
     rows = {}

@@ -217,9 +217,10 @@ SWEEP_LENGTHS = list(range(1, 9))
 SWEEP_STARTS = [0, 8, 16]
 
 
-def fig45(results_dir: Path, log, per_suite: int = FIG1B_PER_SUITE) -> list[str]:
+def fig45(results_dir: Path, log, per_suite: int = FIG1B_PER_SUITE, quick: bool = False) -> list[str]:
     """Figs. 4–5 on mn (Q4_0, cold, torch engine): verify cost and unique experts vs block length,
-    and Fig. 4's dense half: each model's dense counterpart swept over the same blocks."""
+    and Fig. 4's dense half: each model's dense counterpart swept over the same blocks. `quick`
+    (a reproduce run below the default prompt count): blocks at the first start only."""
     import torch
 
     from bench import prompts, registry
@@ -240,12 +241,13 @@ def fig45(results_dir: Path, log, per_suite: int = FIG1B_PER_SUITE) -> list[str]
         tok = AutoTokenizer.from_pretrained(folder, local_files_only=True)
         ids = [render_prompt(tok, p["prompt"]) for p in prompts.load(limit=per_suite)]
         target = build_model(folder, "flash", gguf_path=expert_file_for(model, folder, "q4_0", log=log))
-        rows, continuations = verify_sweep(target, ids, SWEEP_LENGTHS, SWEEP_STARTS, log=log)
+        starts = SWEEP_STARTS[:1] if quick else SWEEP_STARTS
+        rows, continuations = verify_sweep(target, ids, SWEEP_LENGTHS, starts, log=log)
         target.experts.close()
         dense_folder = dense_counterpart_for(model, folder, log=log)
         dense = build_model(dense_folder, "flash", gguf_path=expert_file_for(f"{model}-dense", dense_folder, "q4_0", log=log))
         log(f"{model}'s dense counterpart over the same blocks")
-        dense_rows, _ = verify_sweep(dense, ids, SWEEP_LENGTHS, SWEEP_STARTS, log=log, continuations=continuations)
+        dense_rows, _ = verify_sweep(dense, ids, SWEEP_LENGTHS, starts, log=log, continuations=continuations)
         dense.experts.close()
         c, d = metrics.verify_sweep_curves(rows), metrics.verify_sweep_curves(dense_rows)
         per_model[model] = c | {"dense_cost": d["cost"]}
@@ -254,7 +256,7 @@ def fig45(results_dir: Path, log, per_suite: int = FIG1B_PER_SUITE) -> list[str]
             "dense": {"what": render.DENSE_LABEL, "rows": dense_rows, "curves": d}})
         (results_dir / f"fig45_{model}_mn.md").write_text(
             f"{model} on mn (Q4_0 experts from flash, cold store before each forward, torch engine), {len(ids)} prompts, "
-            f"blocks of the target's own greedy continuation at starts {SWEEP_STARTS}, {FIG1B_THREADS} thread, "
+            f"blocks of the target's own greedy continuation at starts {starts}, {FIG1B_THREADS} thread, "
             f"machine {machine['machine_id']}. Dense: {render.DENSE_LABEL}, swept over the same blocks, its cost "
             f"normalised to its own one-token step. Paper: {render.paper_note(model)}\n\n" + render.table(per_model[model]))
     figs = render.figure(per_model, results_dir / "figures" / "fig45_verify_block",
@@ -321,7 +323,7 @@ def regime(results_dir: Path, log, per_suite: int = REGIME_PER_SUITE, tokens: in
     return written + [str(p.relative_to(results_dir.parent)) for p in figs]
 
 
-def table5(results_dir: Path, log, per_suite: int, tokens: int) -> list[str]:
+def table5(results_dir: Path, log, per_suite: int, tokens: int, quick: bool = False) -> list[str]:
     """Table 5 from the committed draft-expert checkpoints of each tiny model (`bench distill-eval`);
     `bench distill --model <m> --preset <p>` retrains any of them."""
     import torch
@@ -338,7 +340,8 @@ def table5(results_dir: Path, log, per_suite: int, tokens: int) -> list[str]:
             log(f"Table 5 skipped for {model}: no distilled draft experts (bench distill --model {model})")
             continue
         try:
-            res = bd.distill_eval(model, folder, bd.PRESET_ORDER, recs, tokens, 256, log)
+            res = bd.distill_eval(model, folder, bd.PRESET_ORDER, recs, tokens, 256, log,
+                                  held_out=4 if quick else bd.EVAL_WINDOWS)  # quick: a smoke run
         except FileNotFoundError as e:  # the held-out text is the corpus's validation split
             log(f"Table 5 skipped: {e}")
             return written
@@ -400,14 +403,14 @@ def reproduce(results_dir: Path, log=lambda m: print(m, file=sys.stderr), per_su
         log("Fig. 3: draft-side unique experts vs draft length, ds-tiny and ml-tiny on mn")
         done += fig3(results_dir, log, per_suite, tokens)
         log("Figs. 4-5: verify cost and unique experts vs block length, ds-tiny and ml-tiny on mn")
-        done += fig45(results_dir, log, per_suite)
+        done += fig45(results_dir, log, per_suite, quick=per_suite < FIG1B_PER_SUITE)
         log("Table 4: fixed K vs truncation vs + prefetch (DraftExpert), ds-tiny and ml-tiny on mn")
         done += table4(results_dir, log, per_suite, tokens)
         log("The regime: Table 2's methods under real storage read caps, ds-tiny, both engines")
         done += regime(results_dir, log, min(per_suite, REGIME_PER_SUITE), min(tokens, REGIME_TOKENS),
                        quick=per_suite < FIG1B_PER_SUITE)
         log("Table 5: draft-expert ablation (bench distill-eval) for the tiny models")
-        done += table5(results_dir, log, per_suite, tokens)
+        done += table5(results_dir, log, per_suite, tokens, quick=per_suite < FIG1B_PER_SUITE)
         done += table1(results_dir, log)
     else:
         log(f"Fig. 1b skipped: {FIG1B_MODEL} is not present")

@@ -162,7 +162,7 @@ def distill_rows(a, bench: list[str], ckpt: Path, cap, env: dict, log) -> list[d
     out = a.dir / "runs" / "draft_experts.safetensors"
     cmds = [("distill", [*bench, "distill", "--model", a.model, "--model-path", str(ckpt), "--teacher", "runtime",
                          "--platform", "mn", "--expert-type", "q4_0", "--steps", str(a.distill_steps), "--batch-size",
-                         "1", "--seq-len", "64", "--threads", "2", "--out", str(out), "--json"]),
+                         "1", "--seq-len", "64", "--held-out", "4", "--threads", "2", "--out", str(out), "--json"]),
             ("draftexpert, distilled", [*bench, "run", "--model", a.model, "--model-path", str(ckpt), "--platform", "mn",
                                         "--expert-type", "q4_0", "--method", "draftexpert", "--suite", "gsm8k",
                                         "--limit", "1", "--max-new-tokens", str(a.tokens), "--out",
