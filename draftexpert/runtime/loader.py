@@ -172,8 +172,12 @@ def convert_experts(folder: Path, out: Path, qtype: str = "q4_0") -> Path:
     """Write the checkpoint's routed experts into a GGUF expert file (once; later runs reuse it)."""
     from draftexpert.runtime.gguf_experts import write_expert_gguf
 
+    from tqdm.auto import tqdm
+
     cfg = load_config(folder)
-    return write_expert_gguf(out, routed_experts(Checkpoint(folder), cfg), gguf_meta(cfg), qtype)
+    layers = tqdm(routed_experts(Checkpoint(folder), cfg), total=cfg.num_hidden_layers - cfg.first_k_dense_replace,
+                  desc=f"writing {Path(out).name}", unit="layer", delay=2, disable=None)  # a terminal, past 2 s
+    return write_expert_gguf(out, layers, gguf_meta(cfg), qtype)
 
 
 def build_model(folder: Path, store: str = "resident", device: str = "cpu", dtype: torch.dtype = torch.float32,

@@ -338,7 +338,13 @@ class MoEModel:
         cos, sin = self.rope_tables(start, T)  # [T, d_r/2]
         pos, keys = cache.positions[start:start + T], cache.positions[:start + T]
         x = self.embed[ids.to(self.embed.device)]
-        for i, L in enumerate(self.layers):
+        layers = enumerate(self.layers)
+        if phase == "prefill":  # a long prefill of a large model: a bar on a terminal once it passes 2 s
+            from tqdm.auto import tqdm
+
+            layers = tqdm(layers, total=len(self.layers), desc=f"prefill {T} tokens", unit="layer", delay=2,
+                          leave=False, disable=None)
+        for i, L in layers:
             x, h, logits, w, idx = self.pre_ffn(L, x, cache.c_kv[i], cache.k_pe[i], pos, keys, cos, sin, T > 1)
             if idx is None:
                 x = x + self.mlp(h, L["dense_gate_up"], L["dense_down"])
