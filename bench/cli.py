@@ -197,7 +197,8 @@ def plan(model: ModelOpt = "ds", model_path: ModelPathOpt = None, platform: Plat
         fail(f"--dtype: {dtype!r} is not one of {', '.join(DTYPES)}")
     p = make_plan(cfg, platform, cuda, dtype_bytes={"fp32": 4, "bf16": 2}[dtype], expert_type=expert_type,
                   working_set_bytes=_bytes(working_set, "--working-set") if working_set else 0,
-                  positions=1 if method == "ar" else k_max + 1)
+                  positions=1 if method == "ar" else k_max + 1,
+                  draft_intermediate=cfg["moe_intermediate_size"] if method == "draftexpert" else 0)  # zero draft expert's
     host = _bytes(host_mem, "--host-mem") if host_mem else available_host_bytes()
     gpu = _bytes(gpu_mem, "--gpu-mem") if gpu_mem else None
     if cuda and gpu is None:
@@ -217,8 +218,10 @@ def plan(model: ModelOpt = "ds", model_path: ModelPathOpt = None, platform: Plat
     except WontFit as e:
         p["warning"], p["fits"] = str(e), False
     g = lambda n: f"{n / GIB:8.2f} GiB"  # noqa: E731
-    rows = [("accelerator: weights", p["accelerator_weights"]), ("accelerator: KV cache (2048 positions)", p["kv_cache"]),
+    rows = [("accelerator: weights", p["accelerator_weights"]), ("accelerator: DraftExpert drafter's MLP", p["draft_weights"]),
+            ("accelerator: KV cache (2048 positions)", p["kv_cache"]),
             ("a round's staged experts (worst)", p["working_set"]), ("  … one position", p["working_set_one_position"]),
+            ("  + one layer's loads beside a bound", p["demand_in_flight"]),
             ("host: routed pool (cg, exact size)", p["host_pool"]), ("  … of it pinned (CUDA)", p["host_pinned"]),
             ("host: filling it, one layer at most", p["host_load_transient"]), ("storage: expert file (mn)", p["storage"]),
             ("conversion peak (one layer)", p["conversion_peak"]),

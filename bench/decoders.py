@@ -110,16 +110,18 @@ def _draft_experts(model: str, folder: Path, file: Path | None):
 
 
 def _fits(folder: Path, platform: str, cuda: bool, expert_type: str, positions: int, dtype_bytes: int = 4,
-          working_set: int = 0) -> int:
+          working_set: int = 0, draft_intermediate: int = 0) -> int:
     """The memory plan checked against this machine before anything is loaded (WontFit when even
     its least need does not fit); returns the working-set bound to use: the one asked for, or —
-    when a round staging every position would not fit — the bytes that leave room (else 0)."""
+    when a round staging every position would not fit — the bytes that leave room (else 0).
+    `draft_intermediate`: DraftExpert's draft-expert width (its drafter's fused shared MLP is counted)."""
     import json
 
     from draftexpert.runtime.params import GIB, available_host_bytes, check_fits, plan, working_set_bound
 
     p = plan(json.loads((folder / "config.json").read_text()), platform, cuda, dtype_bytes=dtype_bytes,
-             expert_type=expert_type, positions=positions, working_set_bytes=working_set)
+             expert_type=expert_type, positions=positions, working_set_bytes=working_set,
+             draft_intermediate=draft_intermediate)
     free = None
     if cuda:
         import torch
@@ -252,6 +254,8 @@ def make_decoder(model: str, folder: Path, method: str, platform: str, expert_ty
 def _make_torch_decoder(model, folder, method, platform, expert_type, cache_experts, staging_budget, temperature,
                         seed, max_new_tokens, expert_file, spec, compile, staging, resident_from_file, device, dtype,
                         working_set):
+    import json
+
     import torch
 
     if staging != "demand":
@@ -261,9 +265,13 @@ def _make_torch_decoder(model, folder, method, platform, expert_type, cache_expe
     torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
     if working_set and store == "resident":
         raise ValueError("--working-set bounds what a round moves to the accelerator: platforms cg and mn")
+    experts, de_meta = (_draft_experts(model, folder, spec.draft_experts) if method == "draftexpert"
+                        else (None, None))  # before the plan: the drafter's width is part of it
+    draft_intermediate = 0 if method != "draftexpert" else experts.intermediate if experts is not None else \
+        json.loads((folder / "config.json").read_text())["moe_intermediate_size"]  # none: the zero draft expert
     working_set = _fits(folder, "resident" if method == "reference" else platform, device == "cuda", expert_type,
                         1 if method in ("ar", "reference") else spec.round.k_max + 1,
-                        torch_dtype.itemsize, working_set)  # before anything is loaded
+                        torch_dtype.itemsize, working_set, draft_intermediate)  # before anything is loaded
 
     tokenizer = _tokenizer(folder)
     if method == "reference":
@@ -302,8 +310,6 @@ def _make_torch_decoder(model, folder, method, platform, expert_type, cache_expe
         from draftexpert.speculation.round import SpeculativeDecoder
 
         conf = replace(spec.round, temperature=temperature, seed=seed)
-        experts, de_meta = (_draft_experts(model, folder, spec.draft_experts) if method == "draftexpert"
-                            else (None, None))
         path = make_draft_path(target, method, r=spec.r, experts=experts)
         decoder = SpeculativeDecoder(TorchEngine(target, path, conf.draft_cache), conf)
         args.update(_round_args(conf))

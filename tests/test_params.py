@@ -132,3 +132,31 @@ def test_a_memory_cgroup_limit_is_what_is_available(tmp_path):
     assert _cgroup_room(tmp_path / "proc2", tmp_path / "v2") == 6 * gib
     (v2 / "memory.max").write_text("max\n")
     assert _cgroup_room(tmp_path / "proc2", tmp_path / "v2") is None  # no limit: MemAvailable decides
+
+
+def test_the_plan_counts_the_draftexpert_drafters_own_shared_mlp(tiny_checkpoint):
+    """DraftExpert's drafter fuses its draft expert into a copy of the shared MLP (per MoE layer):
+    the plan counts those bytes — DS-V2-Lite's zero draft expert: 2.5 GiB in fp32, what the
+    full-scale OOM row measured outside the plan — and exactly what `make_draft_path` holds."""
+    import torch
+
+    from draftexpert.runtime import params
+    from draftexpert.runtime.loader import build_model
+    from draftexpert.speculation.drafters import make_draft_path
+
+    ds, gib = registry.config_facts("ds"), 1 << 30
+    spec = params.plan(ds, "mn", cuda=False, positions=5, draft_intermediate=ds["moe_intermediate_size"])
+    assert spec["draft_weights"] == 26 * 3 * 2048 * (2 * 1408 + 1408) * 4 and 2.5 < spec["draft_weights"] / gib < 2.6
+    assert spec["host"] == params.plan(ds, "mn", cuda=False, positions=5)["host"] + spec["draft_weights"]
+    bound = params.working_set_bound(spec, 18 * gib, None)  # room for the drafter and one verify layer's loads
+    layer = 30 * 3 * 2048 * 1408 * 4  # 5 positions × top-6 experts in flight at once
+    assert spec["demand_one_layer"] == layer
+    assert bound == int(0.9 * 18 * gib) - spec["accelerator_weights"] - spec["kv_cache"] - spec["draft_weights"] - layer
+    bounded = params.plan(ds, "mn", cuda=False, positions=5, draft_intermediate=1408, working_set_bytes=bound)
+    assert bounded["demand_in_flight"] == layer and bounded["host"] <= 0.9 * 18 * gib
+    cfg = json.loads((tiny_checkpoint / "config.json").read_text())
+    model = build_model(tiny_checkpoint, "resident")
+    path = make_draft_path(model, "draftexpert")
+    held = sum(t.nbytes for w in path.shared.values() for t in w)
+    assert held == params.plan(cfg, "mn", cuda=False, draft_intermediate=cfg["moe_intermediate_size"])["draft_weights"]
+    assert params.plan(cfg, "mn", cuda=False)["draft_weights"] == 0 and torch.float32 == model.embed.dtype

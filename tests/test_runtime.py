@@ -377,3 +377,65 @@ def test_the_dense_counterpart_moves_an_ar_steps_bytes_for_any_block(checkpoint,
         rec = cold_forward(dense, L)
         assert (rec.loads, rec.bytes) == (moe_layers, one.bytes)
     assert cold_forward(moe, 8).bytes > one.bytes
+
+
+def test_flash_store_decodes_into_reused_buffers_only_once_nothing_holds_them(checkpoint):
+    """The CPU flash store decodes each load into a buffer of its `ExpertBuffers`: a dropped
+    expert's memory is the next load's (glibc would keep it, fragmented, outside the plan), an
+    expert — or any view of it — still held is never overwritten, and the pool is the peak of
+    live experts. The weights are those of a fresh decode."""
+    _, folder, gguf = checkpoint
+    model = build_model(folder, "flash", gguf_path=gguf, dtype=torch.float32)
+    store, ref = model.experts, ExpertFile(gguf, staging_buffers=1)
+    fresh = lambda key: ref.dequantize(ref.read_expert(*key), "cpu", torch.float32)  # noqa: E731
+    held = store.fetch(1, [0, 1])  # kept: must never be reused
+    view = store.fetch(1, [2])[0][1][:3]  # only a view of expert 2's down kept: its buffers stay taken
+    ptrs = {t.data_ptr() for w in held for t in w}
+    for e in range(3, 16):  # one at a time, each dropped at once: one pair of buffers serves them all
+        (gu, dn), = store.fetch(2, [e])
+        assert torch.equal(gu, fresh((2, e))[0]) and torch.equal(dn, fresh((2, e))[1])
+        assert not ptrs & {gu.data_ptr(), dn.data_ptr()}
+        del gu, dn
+    assert all(torch.equal(a, b) for w, e in zip(held, [0, 1]) for a, b in zip(w, fresh((1, e))))
+    assert torch.equal(view, fresh((1, 2))[1][:3])
+    gu, dn = (t.nbytes for t in held[0])
+    # gate_up: experts 0 and 1 held, one buffer reused 13 times (expert 2's, freed); down: 0, 1, 2 held, one reused
+    assert store.buffers.nbytes == 3 * gu + 4 * dn
+    del held, view
+    store.fetch(1, list(range(4)))  # four live at once: the freed buffers serve them, one gate_up more
+    assert store.buffers.nbytes == 4 * (gu + dn) and store.buffers.in_use_bytes() == 0
+    ref.close()
+    model.experts.close()
+
+
+@pytest.mark.parametrize("store", ["host", "flash"])
+def test_a_bounded_round_counts_its_loads_in_flight(checkpoint, store):
+    """With a working-set bound, what a round holds — finished experts and the loads in flight,
+    prefetches and a verify layer's demand loads alike — stays within it plus one layer's demand
+    loads (the store drops the round's older experts to make room for them before they start)."""
+    from draftexpert.speculation.drafters import make_draft_path
+    from draftexpert.speculation.round import SpecConfig, SpeculativeDecoder
+
+    _, folder, gguf = checkpoint
+    model = build_model(folder, store, gguf_path=gguf, dtype=torch.float64)
+    s = model.experts
+    one = 3 * model.cfg.hidden * model.cfg.moe_inter * 8
+    s.working_set_bytes = 17 * one  # above one verify layer's 16 experts (5 × top-4, at most E), below a round's union
+    held, start = [], s._start
+
+    def counted(key, demand=True):
+        if s.block is not None and s._one_expert:
+            held.append(s.block_bytes + (len(s.inflight) + 1) * s._one_expert)
+        return start(key, demand)
+
+    s._start = counted
+    dec = SpeculativeDecoder(TorchEngine(model, make_draft_path(model, "top-r", r=1)),
+                             SpecConfig(k_max=4, truncate=False, prefetch=True))
+    for ids in PROMPTS[:3]:
+        dec.generate(ids.tolist(), 16)
+    dec.close()
+    # the budget, and at most one verify layer's demand loads beside it (what the plan counts besides
+    # the bound: prefetches in flight cannot be dropped), never more
+    layer = min(model.cfg.n_experts, 5 * model.cfg.top_k) * one
+    assert held and max(held) <= s.working_set_bytes + layer, (max(held) / one, len(held))
+    assert s.peak_block_bytes <= s.working_set_bytes

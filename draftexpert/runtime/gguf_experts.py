@@ -337,18 +337,28 @@ class ExpertFile:
     def staged_nbytes(self, raw: RawExpert) -> int:
         return self.expert_nbytes(raw.layer)
 
-    def dequantize(self, raw: RawExpert, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """(gate_up [2I, H], down [H, I]) in `dtype` on `device`; returns a pooled buffer to the pool."""
+    def expert_shapes(self, layer: int) -> tuple[tuple[int, int], tuple[int, int]]:
+        """The shapes `dequantize` returns for an expert of `layer`: gate_up [2I, H], down [H, I]."""
+        g, d = self.slices[(layer, "gate")], self.slices[(layer, "down")]
+        return (2 * g.shape[0], g.shape[1]), d.shape
+
+    def dequantize(self, raw: RawExpert, device, dtype, out: tuple[torch.Tensor, torch.Tensor] | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up [2I, H], down [H, I]) in `dtype` on `device`, new or written into `out` (two
+        contiguous tensors of those shapes, `expert_shapes`); returns a pooled buffer to the pool."""
         g, u, d = (self.slices[(raw.layer, p)] for p in PARTS)
         og, ou, od = raw.offsets
+        gate_up, down = out if out is not None else (None, None)
         try:
             if ou == og + g.nbytes:  # gate and up adjacent: one decode
-                gate_up = decode(raw.buf, og, 2 * g.nbytes, g.qtype, (2 * g.shape[0], g.shape[1]), device, dtype)
+                gate_up = decode(raw.buf, og, 2 * g.nbytes, g.qtype, (2 * g.shape[0], g.shape[1]), device, dtype,
+                                 out=gate_up)
             else:  # each half decoded in place: no concatenated copy
-                gate_up = torch.empty(2 * g.shape[0], g.shape[1], device=device, dtype=dtype)
+                if gate_up is None:
+                    gate_up = torch.empty(2 * g.shape[0], g.shape[1], device=device, dtype=dtype)
                 decode(raw.buf, og, g.nbytes, g.qtype, g.shape, device, dtype, out=gate_up[:g.shape[0]])
                 decode(raw.buf, ou, u.nbytes, u.qtype, u.shape, device, dtype, out=gate_up[g.shape[0]:])
-            down = decode(raw.buf, od, d.nbytes, d.qtype, d.shape, device, dtype)
+            down = decode(raw.buf, od, d.nbytes, d.qtype, d.shape, device, dtype, out=down)
         finally:
             self.release(raw)
         return gate_up, down
@@ -390,6 +400,9 @@ def decode(buf, offset: int, nbytes: int, qtype: str, shape: tuple[int, int], de
         dst = out if out is not None else torch.empty(shape, dtype=torch.float32)
         _Q4_0(raw.data_ptr(), dst.data_ptr(), dst.numel())
         return dst if dtype == torch.float32 else dst.to(dtype)
+    if out is not None and qtype in ("f32", "f16", "bf16"):  # converted as it is copied: no temporary
+        src = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[qtype]
+        return out.copy_(raw.to(device).view(src).view(shape))
     if out is not None:
         return out.copy_(decode(buf, offset, nbytes, qtype, shape, device, dtype, use_ggml))
     raw = raw.to(device)

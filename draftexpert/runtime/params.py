@@ -157,11 +157,17 @@ STORED_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}  # a config's torch_d
 
 
 def plan(cfg: dict, platform: str, cuda: bool, dtype_bytes: int = 4, expert_type: str = "q4_0", positions: int = 5,
-         context: int = 2048, working_set_bytes: int = 0) -> dict:
+         context: int = 2048, working_set_bytes: int = 0, draft_intermediate: int = 0) -> dict:
     """Where a lean model's bytes go on `platform`, from the config alone, as the runtime holds
     them (`build_model`: computing in `dtype_bytes`, fp32 = 4). Keys, in bytes:
       accelerator_weights  non-routed weights (+ every routed expert when resident)
+      draft_weights        DraftExpert's drafter (`draft_intermediate` I_d > 0): its own fused shared MLP
+                           per MoE layer, the shared experts' weights copied beside the draft expert's,
+                           3 · H · (n_shared · I_moe + I_d) (DS-V2-Lite, zero draft expert: 2.5 GiB fp32)
       kv_cache             MLA cache for `context` positions (c_kv and k_pe per layer)
+      demand_in_flight     with a working-set bound: one forward layer's demand loads (`positions` ×
+                           top-k experts, at most every expert), which the store may hold in flight
+                           beside a full budget; `working_set_bound` leaves room for them
       working_set          experts a cold round may stage at once: `positions` (AR 1, speculation
                            K_max + 1) × top-k per MoE layer (at most every expert), in the compute
                            dtype — the round keeps them until it ends, at most `working_set_bytes`
@@ -183,6 +189,8 @@ def plan(cfg: dict, platform: str, cuda: bool, dtype_bytes: int = 4, expert_type
     expert = 3 * H * I
     p = {"platform": platform, "store": STORES[platform], "cuda": cuda, "dtype_bytes": dtype_bytes,
          "accelerator_weights": (b.non_routed + (b.routed_experts if platform == "resident" else 0)) * dtype_bytes,
+         "draft_weights": len(moe_layers) * 3 * H * (cfg.get("n_shared_experts", 0) * I + draft_intermediate)
+         * dtype_bytes if draft_intermediate else 0,
          "kv_cache": L * context * (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * dtype_bytes,
          "working_set": 0 if platform == "resident" else len(moe_layers) * min(E, positions * k) * expert * dtype_bytes,
          "working_set_one_position": 0 if platform == "resident" else len(moe_layers) * min(E, k) * expert * dtype_bytes,
@@ -202,8 +210,14 @@ def plan(cfg: dict, platform: str, cuda: bool, dtype_bytes: int = 4, expert_type
         p["working_set_one_position"] = min(p["working_set_one_position"],
                                             max(working_set_bytes, min(E, k) * expert * dtype_bytes))
     p["working_set_budget"] = working_set_bytes
-    for suffix, ws in (("", p["working_set"]), ("_least", p["working_set_one_position"])):
-        device = p["accelerator_weights"] + p["kv_cache"] + ws
+    p["demand_one_layer"] = 0 if platform == "resident" else min(E, positions * k) * expert * dtype_bytes
+    # a bounded round can hold one forward layer's demand loads beside a full budget (the loads in
+    # flight, prefetches among them, that the store cannot drop): counted besides the bound
+    p["demand_in_flight"] = min(E, positions * k) * expert * dtype_bytes if working_set_bytes and platform != "resident" \
+        else 0
+    for suffix, ws in (("", p["working_set"] + p["demand_in_flight"]),
+                       ("_least", p["working_set_one_position"] + p["demand_in_flight"])):
+        device = p["accelerator_weights"] + p["draft_weights"] + p["kv_cache"] + ws
         host = p["host_pool"] + p["host_load_transient"]
         p["accelerator" + suffix], p["host" + suffix] = (device, host) if cuda else (0, host + device)
     return p
@@ -235,7 +249,8 @@ def working_set_bound(p: dict, host_bytes: int | None, accelerator_bytes: int | 
     mem, have = ("accelerator", accelerator_bytes) if p["cuda"] else ("host", host_bytes)
     if have is None or p[mem] <= headroom * have or p["store"] == "resident":
         return 0
-    return max(0, int(headroom * have) - (p[mem] - p["working_set"]))
+    demand = p["demand_in_flight"] or (min(p["working_set"], p["demand_one_layer"]))
+    return max(0, int(headroom * have) - (p[mem] - p["working_set"]) - demand)
 
 
 def distill_plan(cfg: dict, p: dict, intermediate: int, seq_len: int, batch: int, teacher: str) -> dict:
