@@ -48,9 +48,10 @@ BudgetOpt = Annotated[int, typer.Option("--budget", min=0, help="B: layer-expert
 DraftExpertsOpt = Annotated[Path | None, typer.Option("--draft-experts", help="draftexpert: a distilled checkpoint, or "
                                                       "`zero` (= shared+top-1); default: the model's `full` preset if "
                                                       "distilled, else zero.")]
-StagingOpt = Annotated[str, typer.Option("--staging", help="llama.cpp on mn: demand (whole experts staged from the "
-                                          "router tap before the expert matmuls) | pagefault (llama.cpp's own 4 KiB "
-                                          "mmap faults: an ablation)")]
+StagingOpt = Annotated[str, typer.Option("--staging", help="mn: demand (default, both engines: whole experts staged on "
+                                          "demand, every read of a layer in flight together, before its expert matmuls) | "
+                                          "pagefault (llama.cpp's own 4 KiB mmap faults: an ablation) | odirect (the "
+                                          "torch engine's O_DIRECT reader threads: an ablation)")]
 ReadBwOpt = Annotated[str | None, typer.Option("--read-bw", help="Cap the storage reads of the decode for real with "
                                                "the kernel's block-I/O throttle, e.g. 64MB/s (needs root; "
                                                "recorded in every cell).")]
@@ -1189,12 +1190,20 @@ def reproduce_cmd(results_dir: Annotated[Path, typer.Option("--results", help="W
                   per_suite: Annotated[int, typer.Option("--per-suite", min=1, help="Prompts per suite in the "
                                                          "decoding runs.")] = 2,
                   max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", min=2)] = 64,
+                  models: Annotated[list[str] | None, typer.Option(
+                      "--model", help="A tiny model the per-model steps run on (repeatable; default: "
+                      "ds-tiny and ml-tiny). Fig. 1b and the regime sweep are ds-tiny's.")] = None,
                   as_json: JsonOpt = False):
     """Regenerate every table and figure this checkout can produce (what `make reproduce` runs)."""
-    from bench.reproduce import reproduce
+    from bench.reproduce import TINY_MODELS, reproduce
 
+    bad = [m for m in models or () if m not in TINY_MODELS]
+    if bad:
+        raise typer.BadParameter(f"{', '.join(bad)}: reproduce runs on {', '.join(TINY_MODELS)}",
+                                 param_hint="--model")
     with _resumable(results_dir):
-        summary = reproduce(results_dir, log=log, per_suite=per_suite, tokens=max_new_tokens)
+        summary = reproduce(results_dir, log=log, per_suite=per_suite, tokens=max_new_tokens,
+                            models=tuple(models) if models else TINY_MODELS)
     emit(summary, as_json, "written:\n  " + "\n  ".join(summary["written"])
          + "\nnot yet reproducible (capability pending):\n  "
          + "\n  ".join(f"{p['result']} — needs {p['needs']}" for p in summary["pending"]))

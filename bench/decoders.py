@@ -179,7 +179,7 @@ def make_llama_decoder(model: str, folder: Path, method: str, platform: str, exp
     if platform not in ("mn", "resident"):
         raise ValueError(f"--platform: the llama.cpp engine runs mn (experts from storage) or resident, not {platform}")
     if staging not in ("demand", "pagefault"):
-        raise ValueError(f"--staging: {staging!r} is not one of demand, pagefault")
+        raise ValueError(f"--staging: {staging!r} is not one of demand, pagefault on the llama.cpp engine")
     staging = "resident" if platform == "resident" else staging
     require_llama_cpp()
     tokenizer = _tokenizer(folder)
@@ -258,8 +258,10 @@ def _make_torch_decoder(model, folder, method, platform, expert_type, cache_expe
 
     import torch
 
-    if staging != "demand":
-        raise ValueError("--staging applies to the llama.cpp engine (the torch engine's stores stage whole experts)")
+    from draftexpert.runtime.experts import STAGING
+
+    if staging not in STAGING:
+        raise ValueError(f"--staging: {staging!r} is not one of {', '.join(STAGING)} on the torch engine")
     store = "resident" if method == "reference" else PLATFORMS[platform]
     device, dtype = placement(platform, method, device, dtype)
     torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
@@ -288,7 +290,7 @@ def _make_torch_decoder(model, folder, method, platform, expert_type, cache_expe
     from_file = store == "flash" or (store == "resident" and resident_from_file)
     gguf = expert_file(expert_type) if from_file else None
     target = build_model(folder, store, device=device, dtype=torch_dtype, gguf_path=gguf, cache_experts=cache_experts,
-                         staging_budget_bytes=staging_budget, working_set_bytes=working_set)
+                         staging_budget_bytes=staging_budget, working_set_bytes=working_set, staging=staging)
     args = {"store": store, "device": device, "cache_experts": cache_experts}
     if dtype != "fp32":  # recorded only then, so fp32 cells keep their keys
         args["dtype"] = dtype
@@ -300,7 +302,7 @@ def _make_torch_decoder(model, folder, method, platform, expert_type, cache_expe
         target.compile_decode()
         args["compiled"] = True
     if store == "flash":
-        args.update(expert_type=expert_type, staging_budget=staging_budget)
+        args.update(expert_type=expert_type, staging_budget=staging_budget, staging=STAGING[staging])
     if method == "ar":
         from baselines.ar import AROffloadDecoder
 

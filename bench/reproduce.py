@@ -18,6 +18,7 @@ PENDING = [
 ]
 
 
+TINY_MODELS = ("ds-tiny", "ml-tiny")  # every per-model step runs on these (`bench reproduce --model` picks some)
 FIG1B_MODEL = "ds-tiny"
 FIG1B_PER_SUITE = 2
 FIG1B_TOKENS = 64
@@ -84,14 +85,14 @@ def _compare_on_mn(results_dir: Path, log, model: str, per_suite: int, tokens: i
 
 
 def spec_compare(results_dir: Path, log, per_suite: int = FIG1B_PER_SUITE, tokens: int = FIG1B_TOKENS,
-                 engine: str = "torch") -> list[str]:
+                 engine: str = "torch", models: tuple[str, ...] = TINY_MODELS) -> list[str]:
     """Table 2 / 3 on mn: AR vs top-1/2/3 vs DraftExpert for each tiny model, Q4_0 (resumable), on
     the torch engine or llama.cpp (the same prompts, expert file and method settings)."""
     from paper_figs.spec_table import table
 
     written = []
     tag = "_llama.cpp" if engine == "llama.cpp" else ""
-    for model in ("ds-tiny", "ml-tiny"):
+    for model in models:
         res = _compare_on_mn(results_dir, log, model, per_suite, tokens, "table2", engine=engine)
         de = res["methods"]["draftexpert"]["method_args"]["draft_experts"]
         de = ("untrained (zero: shared + top-1)" if de["preset"] == "zero"
@@ -116,12 +117,12 @@ def _machine_id(results_dir: Path) -> str:
     return json.loads(path.read_text()).get("machine_id", "?") if path.exists() else "?"
 
 
-def fig2(results_dir: Path, log) -> list[str]:
+def fig2(results_dir: Path, log, models: tuple[str, ...] = TINY_MODELS) -> list[str]:
     """Fig. 2 from the torch-engine comparisons `spec_compare` wrote (results/spec_compare_*_mn.json)."""
     from paper_figs import fig2 as render
 
     per_model, runs = {}, []
-    for model in ("ds-tiny", "ml-tiny"):
+    for model in models:
         path = results_dir / f"spec_compare_{model}_mn.json"
         res = json.loads(path.read_text())
         per_model[model] = render.points(res)
@@ -148,7 +149,8 @@ def table1(results_dir: Path, log) -> list[str]:
     return ["results/table1_platforms.md"]
 
 
-def crosscheck(results_dir: Path, log, per_suite: int | None = None, tokens: int = 32) -> list[str]:
+def crosscheck(results_dir: Path, log, per_suite: int | None = None, tokens: int = 32,
+               models: tuple[str, ...] = TINY_MODELS) -> list[str]:
     """llama.cpp (f32) vs the torch engine on every prompt of the suites: tokens and expert sets."""
     import torch
 
@@ -158,7 +160,7 @@ def crosscheck(results_dir: Path, log, per_suite: int | None = None, tokens: int
 
     torch.set_num_threads(FIG1B_THREADS)
     written = []
-    for model in ("ds-tiny", "ml-tiny"):
+    for model in models:
         folder = registry.resolve(model)
         head = llama_head_for(model, folder, "f32", expert_file_for(model, folder, "f32", log=log), log=log)
         res = run(folder, prompts.load(limit=per_suite), head, tokens, FIG1B_THREADS, log=log)
@@ -169,7 +171,7 @@ def crosscheck(results_dir: Path, log, per_suite: int | None = None, tokens: int
 
 
 def table4(results_dir: Path, log, per_suite: int = FIG1B_PER_SUITE, tokens: int = FIG1B_TOKENS,
-           engine: str = "torch") -> list[str]:
+           engine: str = "torch", models: tuple[str, ...] = TINY_MODELS) -> list[str]:
     """Table 4 on mn: DraftExpert with fixed K, confidence–expansion truncation, and + prefetch."""
     from paper_figs.spec_table import table4 as render
 
@@ -177,7 +179,7 @@ def table4(results_dir: Path, log, per_suite: int = FIG1B_PER_SUITE, tokens: int
     tag = "_llama.cpp" if engine == "llama.cpp" else ""
     where = "through llama.cpp (Q4_0 GGUF, whole experts staged on demand from the router tap)" \
         if engine == "llama.cpp" else "(Q4_0 experts from flash, cold)"
-    for model in ("ds-tiny", "ml-tiny"):
+    for model in models:
         res = _compare_on_mn(results_dir, log, model, per_suite, tokens, "table4", engine=engine)
         write_json_atomic(results_dir / f"table4_{model}_mn{tag}.json", res)
         (results_dir / f"table4_{model}_mn{tag}.md").write_text(
@@ -189,13 +191,14 @@ def table4(results_dir: Path, log, per_suite: int = FIG1B_PER_SUITE, tokens: int
     return written
 
 
-def fig3(results_dir: Path, log, per_suite: int = FIG1B_PER_SUITE, tokens: int = FIG1B_TOKENS) -> list[str]:
+def fig3(results_dir: Path, log, per_suite: int = FIG1B_PER_SUITE, tokens: int = FIG1B_TOKENS,
+         models: tuple[str, ...] = TINY_MODELS) -> list[str]:
     """Fig. 3 on mn: each drafter's cumulative unique layer-experts vs draft length (K = 8, fixed)."""
     from bench import registry
     from paper_figs import fig3 as render
 
     written = []
-    for model in ("ds-tiny", "ml-tiny"):
+    for model in models:
         res = _compare_on_mn(results_dir, log, model, per_suite, tokens, "fig3")  # the set fixes K = 8
         curves = {label.removesuffix("-k8"): row["draft_unique_curve"] for label, row in res["methods"].items()
                   if label != "ar"}
@@ -217,7 +220,8 @@ SWEEP_LENGTHS = list(range(1, 9))
 SWEEP_STARTS = [0, 8, 16]
 
 
-def fig45(results_dir: Path, log, per_suite: int = FIG1B_PER_SUITE, quick: bool = False) -> list[str]:
+def fig45(results_dir: Path, log, per_suite: int = FIG1B_PER_SUITE, quick: bool = False,
+          models: tuple[str, ...] = TINY_MODELS) -> list[str]:
     """Figs. 4–5 on mn (Q4_0, cold, torch engine): verify cost and unique experts vs block length,
     and Fig. 4's dense half: each model's dense counterpart swept over the same blocks. `quick`
     (a reproduce run below the default prompt count): blocks at the first start only."""
@@ -236,7 +240,7 @@ def fig45(results_dir: Path, log, per_suite: int = FIG1B_PER_SUITE, quick: bool 
     torch.set_num_threads(FIG1B_THREADS)
     machine = collect(expert_storage(), keep_probe=True)
     per_model = {}
-    for model in ("ds-tiny", "ml-tiny"):
+    for model in models:
         folder = registry.resolve(model)
         tok = AutoTokenizer.from_pretrained(folder, local_files_only=True)
         ids = [render_prompt(tok, p["prompt"]) for p in prompts.load(limit=per_suite)]
@@ -260,7 +264,7 @@ def fig45(results_dir: Path, log, per_suite: int = FIG1B_PER_SUITE, quick: bool 
             f"machine {machine['machine_id']}. Dense: {render.DENSE_LABEL}, swept over the same blocks, its cost "
             f"normalised to its own one-token step. Paper: {render.paper_note(model)}\n\n" + render.table(per_model[model]))
     figs = render.figure(per_model, results_dir / "figures" / "fig45_verify_block",
-                         f"results/fig45_{{ds-tiny,ml-tiny}}_mn.json, machine {machine['machine_id']}")
+                         f"results/fig45_{{{','.join(models)}}}_mn.json, machine {machine['machine_id']}")
     return [*(f"results/fig45_{m}_mn.{ext}" for m in per_model for ext in ("md", "json")),
             *[str(p.relative_to(results_dir.parent)) for p in figs]]
 
@@ -323,7 +327,8 @@ def regime(results_dir: Path, log, per_suite: int = REGIME_PER_SUITE, tokens: in
     return written + [str(p.relative_to(results_dir.parent)) for p in figs]
 
 
-def table5(results_dir: Path, log, per_suite: int, tokens: int, quick: bool = False) -> list[str]:
+def table5(results_dir: Path, log, per_suite: int, tokens: int, quick: bool = False,
+           models: tuple[str, ...] = TINY_MODELS) -> list[str]:
     """Table 5 from the committed draft-expert checkpoints of each tiny model (`bench distill-eval`);
     `bench distill --model <m> --preset <p>` retrains any of them."""
     import torch
@@ -334,7 +339,7 @@ def table5(results_dir: Path, log, per_suite: int, tokens: int, quick: bool = Fa
     torch.set_num_threads(FIG1B_THREADS)
     written = []
     recs = [p for s in ("chat", "gsm8k", "mbpp", "summarization", "ifeval") for p in prompts.load(s, per_suite)]
-    for model in ("ds-tiny", "ml-tiny"):
+    for model in models:
         folder = registry.resolve(model)
         if bd.find_draft_experts(model, folder, "full") is None:
             log(f"Table 5 skipped for {model}: no distilled draft experts (bench distill --model {model})")
@@ -355,8 +360,9 @@ def table5(results_dir: Path, log, per_suite: int, tokens: int, quick: bool = Fa
 
 
 def reproduce(results_dir: Path, log=lambda m: print(m, file=sys.stderr), per_suite: int = FIG1B_PER_SUITE,
-              tokens: int = FIG1B_TOKENS) -> dict:
-    """Every step; `per_suite` prompts per suite and `tokens` new tokens for the decoding runs."""
+              tokens: int = FIG1B_TOKENS, models: tuple[str, ...] = TINY_MODELS) -> dict:
+    """Every step; `per_suite` prompts per suite and `tokens` new tokens for the decoding runs;
+    the per-model steps on `models` (the regime sweep and Fig. 1b always on ds-tiny)."""
     from bench import registry
     from bench.telemetry import collect, expert_storage
     from draftexpert.runtime.params import breakdown
@@ -384,9 +390,9 @@ def reproduce(results_dir: Path, log=lambda m: print(m, file=sys.stderr), per_su
     if registry.is_present(FIG1B_MODEL):
         log(f"Fig. 1b: AR offload of {FIG1B_MODEL} on mn (q4_0, bf16) and cg, {per_suite} prompts per suite")
         done += fig1b_runs(results_dir, log, per_suite, tokens)
-        log("Tables 2/3 (mn rows): AR vs shared+top-r vs DraftExpert, ds-tiny and ml-tiny")
-        done += spec_compare(results_dir, log, per_suite, tokens)
-        done += fig2(results_dir, log)
+        log("Tables 2/3 (mn rows): AR vs shared+top-r vs DraftExpert, " + ", ".join(models))
+        done += spec_compare(results_dir, log, per_suite, tokens, models=models)
+        done += fig2(results_dir, log, models=models)
         from draftexpert.engines.llamacpp import LlamaCppError, require_llama_cpp
 
         try:
@@ -394,23 +400,24 @@ def reproduce(results_dir: Path, log=lambda m: print(m, file=sys.stderr), per_su
         except LlamaCppError as e:
             log(f"llama.cpp rows and cross-check skipped: {e}")
         else:
-            log("Tables 2/3 (mn rows) on llama.cpp, ds-tiny and ml-tiny")
-            done += spec_compare(results_dir, log, per_suite, tokens, engine="llama.cpp")
-            log("Table 4 on llama.cpp: fixed K vs truncation vs + prefetch (DraftExpert), ds-tiny and ml-tiny")
-            done += table4(results_dir, log, per_suite, tokens, engine="llama.cpp")
-            log("Cross-check llama.cpp f32 vs the torch engine on every prompt, ds-tiny and ml-tiny")
-            done += crosscheck(results_dir, log, None if per_suite >= FIG1B_PER_SUITE else per_suite, min(tokens, 32))
-        log("Fig. 3: draft-side unique experts vs draft length, ds-tiny and ml-tiny on mn")
-        done += fig3(results_dir, log, per_suite, tokens)
-        log("Figs. 4-5: verify cost and unique experts vs block length, ds-tiny and ml-tiny on mn")
-        done += fig45(results_dir, log, per_suite, quick=per_suite < FIG1B_PER_SUITE)
-        log("Table 4: fixed K vs truncation vs + prefetch (DraftExpert), ds-tiny and ml-tiny on mn")
-        done += table4(results_dir, log, per_suite, tokens)
+            log("Tables 2/3 (mn rows) on llama.cpp, " + ", ".join(models))
+            done += spec_compare(results_dir, log, per_suite, tokens, engine="llama.cpp", models=models)
+            log("Table 4 on llama.cpp: fixed K vs truncation vs + prefetch (DraftExpert), " + ", ".join(models))
+            done += table4(results_dir, log, per_suite, tokens, engine="llama.cpp", models=models)
+            log("Cross-check llama.cpp f32 vs the torch engine on every prompt, " + ", ".join(models))
+            done += crosscheck(results_dir, log, None if per_suite >= FIG1B_PER_SUITE else per_suite, min(tokens, 32),
+                               models=models)
+        log("Fig. 3: draft-side unique experts vs draft length, " + ", ".join(models) + " on mn")
+        done += fig3(results_dir, log, per_suite, tokens, models=models)
+        log("Figs. 4-5: verify cost and unique experts vs block length, " + ", ".join(models) + " on mn")
+        done += fig45(results_dir, log, per_suite, quick=per_suite < FIG1B_PER_SUITE, models=models)
+        log("Table 4: fixed K vs truncation vs + prefetch (DraftExpert), " + ", ".join(models) + " on mn")
+        done += table4(results_dir, log, per_suite, tokens, models=models)
         log("The regime: Table 2's methods under real storage read caps, ds-tiny, both engines")
         done += regime(results_dir, log, min(per_suite, REGIME_PER_SUITE), min(tokens, REGIME_TOKENS),
                        quick=per_suite < FIG1B_PER_SUITE)
         log("Table 5: draft-expert ablation (bench distill-eval) for the tiny models")
-        done += table5(results_dir, log, per_suite, tokens, quick=per_suite < FIG1B_PER_SUITE)
+        done += table5(results_dir, log, per_suite, tokens, quick=per_suite < FIG1B_PER_SUITE, models=models)
         done += table1(results_dir, log)
     else:
         log(f"Fig. 1b skipped: {FIG1B_MODEL} is not present")

@@ -73,11 +73,13 @@ def reference(checkpoint):
 DEVICE = os.environ.get("DRAFTEXPERT_TEST_DEVICE", "cpu")
 
 
-@pytest.mark.parametrize("store", ["resident", "host", "flash"])
+@pytest.mark.parametrize("store", ["resident", "host", "flash", "flash-odirect"])
 def test_every_store_matches_transformers(checkpoint, reference, store):
-    """10 prompts: prompt logits within 1e-4, and identical 64-token greedy continuations."""
+    """10 prompts: prompt logits within 1e-4, and identical 64-token greedy continuations (the flash
+    store with either staging)."""
     hf, folder, gguf = checkpoint
-    lean = build_model(folder, store, device=DEVICE, gguf_path=gguf)
+    store, _, staging = store.partition("-")
+    lean = build_model(folder, store, device=DEVICE, gguf_path=gguf, staging=staging or "demand")
     for ids, (ref_logits, want) in zip(PROMPTS, reference):
         assert (lean.forward(ids, KVCache.for_model(lean, 128)).cpu() - ref_logits).abs().max() < 1e-4
         out = AROffloadDecoder(TorchEngine(lean)).generate(ids.tolist(), 64, hf.generation_config.eos_token_id)
@@ -97,6 +99,39 @@ def test_ledger_counts_cold_loads(checkpoint):
     assert ar["bytes"] == ar["loads"] * expert_bytes
     assert 0 < ar["stall_s"] < ar["wall_s"]
     assert set(led["per_layer"]) == {"1", "2"}
+    lean.experts.close()
+
+
+def test_demand_staging_reads_every_expert_whole_and_leaves_nothing_cached(checkpoint):
+    """Default flash staging: a step's experts are all requested before any is waited for, each read
+    whole (its three ranges), and after every AR step and every round no page of the file is cached
+    (the cold setting: the next load reads the disk); prefetches no forward used leave with the round."""
+    from draftexpert.engines.llamacpp import ExpertPages
+    from draftexpert.speculation.drafters import make_draft_path
+    from draftexpert.speculation.round import SpecConfig, SpeculativeDecoder
+
+    _, folder, gguf = checkpoint
+    lean = build_model(folder, "flash", gguf_path=gguf)
+    pages, events = ExpertPages(gguf), []
+    file = lean.experts.file
+    advise, read = file.advise, file.read_expert_cached
+    file.advise = lambda layer, e: (events.append(("advise", layer, e)), advise(layer, e))[1]  # noqa: E731
+    file.read_expert_cached = lambda layer, e: (events.append(("read", layer, e)), read(layer, e))[1]  # noqa: E731
+    lean.experts.fetch(1, [3, 5, 7])
+    assert events == [("advise", 1, e) for e in (3, 5, 7)] + [("read", 1, e) for e in (3, 5, 7)]
+    assert pages.expert_pages(pages.snapshot()) > 0  # read through the page cache ...
+    lean.experts.end_forward()
+    assert pages.expert_pages(pages.snapshot()) == 0  # ... and dropped after the step
+    AROffloadDecoder(TorchEngine(lean)).generate(PROMPTS[1].tolist(), 4)
+    assert pages.expert_pages(pages.snapshot()) == 0
+    lean.experts.begin_block()
+    lean.experts.prefetch(2, [1, 2, 3])  # readahead nothing will wait for
+    lean.experts.end_block()
+    assert pages.expert_pages(pages.snapshot()) == 0 and not lean.experts.inflight
+    path = make_draft_path(lean, "top-r", r=1)
+    SpeculativeDecoder(TorchEngine(lean, path), SpecConfig(k_max=3)).generate(PROMPTS[1].tolist(), 8)
+    assert pages.expert_pages(pages.snapshot()) == 0
+    pages.close()
     lean.experts.close()
 
 
@@ -399,8 +434,9 @@ def test_flash_store_decodes_into_reused_buffers_only_once_nothing_holds_them(ch
     assert all(torch.equal(a, b) for w, e in zip(held, [0, 1]) for a, b in zip(w, fresh((1, e))))
     assert torch.equal(view, fresh((1, 2))[1][:3])
     gu, dn = (t.nbytes for t in held[0])
-    # gate_up: experts 0 and 1 held, one buffer reused 13 times (expert 2's, freed); down: 0, 1, 2 held, one reused
-    assert store.buffers.nbytes == 3 * gu + 4 * dn
+    # one buffer per expert (gate_up and down are views of it): experts 0 and 1 held, 2 held by the view of its
+    # down, one buffer reused 13 times
+    assert store.buffers.nbytes == 4 * (gu + dn)
     del held, view
     store.fetch(1, list(range(4)))  # four live at once: the freed buffers serve them, one gate_up more
     assert store.buffers.nbytes == 4 * (gu + dn) and store.buffers.in_use_bytes() == 0

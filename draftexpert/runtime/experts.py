@@ -10,10 +10,12 @@ for speculation) and one accelerator-side cache with an in-flight set; they diff
                    dtype there, after the copy; without CUDA the accelerator is the CPU and the
                    copy runs on a worker thread (a real memcpy into accelerator-side tensors,
                    overlapping compute the same way).
-- `FlashStore`     platform mn: experts in a GGUF file (`draftexpert.runtime.gguf_experts`), read with
-                   O_DIRECT by a pool of reader threads (several reads in flight), each read into a
-                   page-aligned staging buffer and dequantised on the accelerator side by the same
-                   thread; a DRAM staging budget bounds the raw bytes kept between steps.
+- `FlashStore`     platform mn: experts in a GGUF file (`draftexpert.runtime.gguf_experts`), staged
+                   whole on demand: readahead of every expert a forward needs issued at once (all
+                   in flight in the kernel), then a buffered read of each as the forward takes it
+                   (pages dropped at once: cold), dequantised on the accelerator side; or, as an
+                   ablation, O_DIRECT reads by a pool of reader threads. A DRAM staging budget
+                   bounds the raw bytes kept between steps.
 
 An expert reaches the model as (gate_up [2I, H], down [H, I]) in the compute dtype.
 Cache: `cache_experts` expert slots kept on the accelerator between forwards (LRU); 0 — the
@@ -118,6 +120,9 @@ class ExpertStore:
     def _finish(self, handle) -> tuple[torch.Tensor, torch.Tensor]:
         """Block until a load is done; return (gate_up, down) on the accelerator."""
         raise NotImplementedError
+
+    def end_forward(self) -> None:
+        """A forward of the model ended (the model calls it after each)."""
 
     # -- shared machinery ---------------------------------------------------------------
     def begin_block(self) -> None:
@@ -360,17 +365,37 @@ class HostStore(ExpertStore):
             self.pool.unpin()
 
 
+STAGING = {  # how the flash store reads an expert (recorded in every record's method_args)
+    "demand": "whole experts on demand: readahead (fadvise WILLNEED) of every expert a forward needs, all in "
+              "flight in the kernel, then a buffered read of each, its pages dropped at once; decoded on the "
+              "forward's thread as each arrives",
+    "odirect": "whole experts on demand with O_DIRECT, read and decoded by a pool of reader threads (several "
+               "reads in flight)",
+}
+
+
 class FlashStore(ExpertStore):
-    """Platform mn: experts read from a GGUF file with O_DIRECT, dequantised on the accelerator."""
+    """Platform mn: experts read from a GGUF file, whole, dequantised on the accelerator.
+
+    `staging` "demand" (default): a load is readahead issued for the expert's three ranges when it
+    starts (a forward starts all it needs before waiting for any; a prefetch starts when the drafter
+    predicts it), and a buffered read that waits for it when the model takes it — the same mechanism
+    as llama.cpp's demand staging, no threads: on this VM's 2 cores six Python reader threads cost
+    more in handoffs than the reads themselves (`bench speed flash`). "odirect": the reader-thread
+    pool with O_DIRECT reads, decoding on the readers (the ablation)."""
 
     name = "flash"
 
-    def __init__(self, path: Path, io_threads: int = 6, staging_budget_bytes: int = 0, **kw):
+    def __init__(self, path: Path, io_threads: int = 6, staging_budget_bytes: int = 0, staging: str = "demand",
+                 **kw):
         from draftexpert.runtime.gguf_experts import ExpertFile
 
+        if staging not in STAGING:
+            raise ValueError(f"--staging: {staging!r} is not one of {', '.join(STAGING)}")
         super().__init__(**kw)
-        self.file = ExpertFile(Path(path), staging_buffers=io_threads)
-        self.pool = ThreadPoolExecutor(io_threads, thread_name_prefix="odirect")
+        self.staging = staging
+        self.file = ExpertFile(Path(path), staging_buffers=io_threads, direct=staging == "odirect")
+        self.pool = ThreadPoolExecutor(io_threads, thread_name_prefix="odirect") if staging == "odirect" else None
         self.budget = staging_budget_bytes
         self.staged: OrderedDict[Key, bytes] = OrderedDict()  # raw file bytes kept in DRAM
         self.staged_bytes = 0
@@ -383,25 +408,30 @@ class FlashStore(ExpertStore):
         return 0 if key in self.staged else self.file.expert_nbytes(key[0])
 
     def _load(self, key, staged):
-        """On a reader thread: O_DIRECT reads into a pooled staging buffer (or the staged DRAM
-        copy), then dequantisation, which frees the buffer at once: a thread holds at most one."""
-        raw = staged if staged is not None else self.file.read_expert(*key)
+        """Read (the staged DRAM copy, else from the file) and decode one expert; on a reader
+        thread ("odirect") or the forward's ("demand"). Decoding returns the staging buffer at
+        once: a reader holds at most one."""
+        if staged is not None:
+            raw = staged
+        else:
+            raw = self.file.read_expert(*key) if self.pool is not None else self.file.read_expert_cached(*key)
         keep = self.file.stage_copy(raw) if self.budget > 0 and staged is None else None
-        out = None
-        if self.buffers is not None:
-            gu, dn = self.file.expert_shapes(key[0])
-            out = self.buffers.take(gu, self.dtype), self.buffers.take(dn, self.dtype)
+        out = None if self.buffers is None else self.buffers.take((self.file.expert_numel(key[0]),), self.dtype)
         return self.file.dequantize(raw, self.device, self.dtype, out=out), keep
 
     def _start(self, key, demand=True):
         staged = self.staged.get(key)
         if staged is not None:
             self.staged.move_to_end(key)
-        return key, self.pool.submit(self._load, key, staged)
+        if self.pool is not None:
+            return key, self.pool.submit(self._load, key, staged)
+        if staged is None:
+            self.file.advise(*key)  # in flight from now; `_finish` waits for it
+        return key, staged
 
     def _finish(self, handle):
-        key, fut = handle
-        weights, keep = fut.result()
+        key, job = handle
+        weights, keep = job.result() if isinstance(job, Future) else self._load(key, job)
         if keep is not None and key not in self.staged:
             self.staged[key] = keep
             self.staged_bytes += self.file.staged_nbytes(keep)
@@ -410,8 +440,18 @@ class FlashStore(ExpertStore):
                 self.staged_bytes -= self.file.staged_nbytes(old)
         return weights
 
+    def end_forward(self):
+        if self.block is None and self.pool is None:  # AR: nothing this step read stays in the page cache
+            self.file.drop_all()
+
+    def end_block(self):
+        super().end_block()
+        if self.pool is None:  # the round's reads, and readahead no forward waited for, leave the page cache
+            self.file.drop_all()
+
     def close(self):
-        self.pool.shutdown(wait=True)
+        if self.pool is not None:
+            self.pool.shutdown(wait=True)
         self.file.close()
         if self.buffers is not None:
             self.buffers.clear()

@@ -1,12 +1,14 @@
-"""Routed experts in a GGUF file, in llama.cpp's own tensor layout, read with O_DIRECT.
+"""Routed experts in a GGUF file, in llama.cpp's own tensor layout, read whole per expert.
 
 Layout (llama.cpp's deepseek2 names): per MoE layer l, `blk.l.ffn_gate_exps.weight`,
 `blk.l.ffn_up_exps.weight` [E, I, H] and `blk.l.ffn_down_exps.weight` [E, H, I] (numpy order;
 ggml lists dims reversed). The expert is the outermost dimension, so expert e of a tensor is one
 contiguous byte range: offset = data_offset + e · (n_bytes / E). Loading one expert is three
-contiguous reads (gate, up, down) issued together; each is widened to 4 KiB-aligned bounds as
-O_DIRECT requires (the file's data alignment is 4 KiB, so bf16/f16/f32 slices are already
-aligned and Q4_0 slices cost at most one extra page a read). Keeping llama.cpp's layout means
+contiguous reads (gate, up, down), two ways: `advise` + `read_expert_cached` — readahead
+requested for every expert a layer needs (all in flight in the kernel), then buffered reads that
+wait for each and drop its pages (the flash store's default, llama.cpp's staging too); or
+`read_expert` — O_DIRECT, each read widened to 4 KiB-aligned bounds (the file's data alignment is
+4 KiB, so bf16/f16/f32 slices are already aligned and Q4_0 slices cost at most one extra page a read). Keeping llama.cpp's layout means
 the same file serves llama.cpp (platform mn's second engine) as split 2 of the model
 (`split.no = 1`; `llama_gguf` writes split 1, the head).
 
@@ -229,9 +231,9 @@ class _Slice:
 
 
 class ExpertFile:
-    """Index of a GGUF expert file and O_DIRECT reads of single experts."""
+    """Index of a GGUF expert file and reads of single experts (readahead + buffered, or O_DIRECT)."""
 
-    def __init__(self, path: Path, staging_buffers: int = 16):
+    def __init__(self, path: Path, staging_buffers: int = 16, direct: bool = True):
         import gguf
 
         self.path = Path(path)
@@ -272,7 +274,12 @@ class ExpertFile:
             missing = [p for p in PARTS if (layer, p) not in self.slices]
             if missing:
                 raise ExpertFileError(f"{self.path}: layer {layer} lacks ffn_{'/'.join(missing)}_exps")
-        self.fd = self._open() if staging_buffers else -1  # 0 buffers: an index only (no O_DIRECT reads)
+        # 0 buffers: an index only (no reads); `direct`: `read_expert` too (O_DIRECT)
+        self.fd = self._open() if staging_buffers and direct else -1
+        self.fd_cached = -1  # buffered reads through the page cache (`advise` / `read_expert_cached`)
+        if staging_buffers:
+            self.fd_cached = os.open(self.path, os.O_RDONLY)
+            os.posix_fadvise(self.fd_cached, 0, 0, os.POSIX_FADV_RANDOM)  # reads read what they ask for: no read-ahead
         self.staging: queue.SimpleQueue = queue.SimpleQueue()  # page-aligned buffers, one per read in flight
         size = self._staging_size()
         for _ in range(staging_buffers):
@@ -323,6 +330,41 @@ class ExpertFile:
         view.release()
         return RawExpert(layer, buf, tuple(offsets))
 
+    def ranges(self, layer: int, e: int) -> list[tuple[int, int]]:
+        """(file offset, bytes) of expert e's gate, up and down slices."""
+        return [(s.offset + e * s.nbytes, s.nbytes) for s in (self.slices[(layer, p)] for p in PARTS)]
+
+    def advise(self, layer: int, e: int) -> None:
+        """Put expert e's three ranges on their way into the page cache, without waiting
+        (posix_fadvise WILLNEED: the kernel's asynchronous readahead — many in flight at once)."""
+        for off, n in self.ranges(layer, e):
+            os.posix_fadvise(self.fd_cached, off, n, os.POSIX_FADV_WILLNEED)
+
+    def read_expert_cached(self, layer: int, e: int) -> RawExpert:
+        """Buffered reads of expert e's gate, up and down (waiting for what `advise` started, or
+        reading it now) into one pooled staging buffer, adjacent (one decode). The pages stay in the
+        page cache until `drop_all` (the store calls it after every step / round: cold)."""
+        buf = self.staging.get()
+        view, pos, offsets = memoryview(buf), 0, []
+        try:
+            for part, (off, n) in zip(PARTS, self.ranges(layer, e)):
+                if os.preadv(self.fd_cached, [view[pos:pos + n]], off) < n:
+                    raise ExpertFileError(f"{self.path}: short read of {part} expert {e} of layer {layer} "
+                                          f"at byte {off:,}: file truncated?")
+                offsets.append(pos)
+                pos += n
+        except BaseException:
+            view.release()
+            self.staging.put(buf)
+            raise
+        view.release()
+        return RawExpert(layer, buf, tuple(offsets))
+
+    def drop_all(self) -> None:
+        """Evict the file's pages from the page cache (one call: `read_expert_cached`'s pages, and
+        readahead no read waited for), so the next load reads the disk again."""
+        os.posix_fadvise(self.fd_cached, 0, 0, os.POSIX_FADV_DONTNEED)
+
     def release(self, raw: RawExpert) -> None:
         """Give a pooled staging buffer back without decoding it (a reader that only measures)."""
         if raw.pooled:
@@ -342,31 +384,39 @@ class ExpertFile:
         g, d = self.slices[(layer, "gate")], self.slices[(layer, "down")]
         return (2 * g.shape[0], g.shape[1]), d.shape
 
-    def dequantize(self, raw: RawExpert, device, dtype, out: tuple[torch.Tensor, torch.Tensor] | None = None
+    def expert_numel(self, layer: int) -> int:
+        """Weights of one expert of `layer` (the size of `dequantize`'s flat `out`)."""
+        (a, b), (c, d) = self.expert_shapes(layer)
+        return a * b + c * d
+
+    def dequantize(self, raw: RawExpert, device, dtype, out: torch.Tensor | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(gate_up [2I, H], down [H, I]) in `dtype` on `device`, new or written into `out` (two
-        contiguous tensors of those shapes, `expert_shapes`); returns a pooled buffer to the pool."""
+        """(gate_up [2I, H], down [H, I]) in `dtype` on `device`: views of one flat tensor, new or
+        `out` (contiguous, `expert_numel` elements); returns a pooled buffer to the pool. Gate, up
+        and down adjacent in the buffer (`read_expert_cached`) decode in one call."""
         g, u, d = (self.slices[(raw.layer, p)] for p in PARTS)
         og, ou, od = raw.offsets
-        gate_up, down = out if out is not None else (None, None)
+        (gu_rows, cols), down_shape = self.expert_shapes(raw.layer)
+        n_gu = gu_rows * cols
+        if out is None:
+            out = torch.empty(n_gu + down_shape[0] * down_shape[1], device=device, dtype=dtype)
         try:
-            if ou == og + g.nbytes:  # gate and up adjacent: one decode
-                gate_up = decode(raw.buf, og, 2 * g.nbytes, g.qtype, (2 * g.shape[0], g.shape[1]), device, dtype,
-                                 out=gate_up)
-            else:  # each half decoded in place: no concatenated copy
-                if gate_up is None:
-                    gate_up = torch.empty(2 * g.shape[0], g.shape[1], device=device, dtype=dtype)
-                decode(raw.buf, og, g.nbytes, g.qtype, g.shape, device, dtype, out=gate_up[:g.shape[0]])
-                decode(raw.buf, ou, u.nbytes, u.qtype, u.shape, device, dtype, out=gate_up[g.shape[0]:])
-            down = decode(raw.buf, od, d.nbytes, d.qtype, d.shape, device, dtype, out=down)
+            if ou == og + g.nbytes and od == ou + u.nbytes:  # the whole expert in one run of bytes: one decode
+                decode(raw.buf, og, g.nbytes + u.nbytes + d.nbytes, g.qtype, (1, out.numel()), device, dtype,
+                       out=out.view(1, -1))
+            else:  # each part decoded in place (O_DIRECT reads land apart)
+                for part, off, (rows, c), at in ((g, og, g.shape, 0), (u, ou, u.shape, n_gu // 2), (d, od, d.shape, n_gu)):
+                    decode(raw.buf, off, part.nbytes, part.qtype, (rows, c), device, dtype,
+                           out=out[at:at + rows * c].view(rows, c))
         finally:
             self.release(raw)
-        return gate_up, down
+        return out[:n_gu].view(gu_rows, cols), out[n_gu:].view(down_shape)
 
     def close(self):
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+        for fd in (self.fd, self.fd_cached):
+            if fd >= 0:
+                os.close(fd)
+        self.fd = self.fd_cached = -1
 
 
 def _ggml_q4_0():

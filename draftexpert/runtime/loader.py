@@ -182,11 +182,13 @@ def convert_experts(folder: Path, out: Path, qtype: str = "q4_0") -> Path:
 
 def build_model(folder: Path, store: str = "resident", device: str = "cpu", dtype: torch.dtype = torch.float32,
                 gguf_path: Path | None = None, cache_experts: int = 0, staging_budget_bytes: int = 0,
-                io_threads: int = 6, ledger: Ledger | None = None, working_set_bytes: int = 0) -> MoEModel:
+                io_threads: int = 6, ledger: Ledger | None = None, working_set_bytes: int = 0,
+                staging: str = "demand") -> MoEModel:
     """A lean model over `store` ∈ {resident, host, flash}; flash reads `gguf_path` (see
     `convert_experts`); resident with a `gguf_path` holds that file's experts, dequantised (the
     resident upper bound of a quantised mn run: the same model, nothing moved). `working_set_bytes`
-    bounds what a round keeps on the accelerator (offload stores; 0: unbounded)."""
+    bounds what a round keeps on the accelerator (offload stores; 0: unbounded); `staging` how the
+    flash store reads (`experts.STAGING`)."""
     cfg = load_config(folder)
     ckpt = Checkpoint(folder)
     weights = non_routed_weights(ckpt, device, dtype)
@@ -196,7 +198,8 @@ def build_model(folder: Path, store: str = "resident", device: str = "cpu", dtyp
     if store == "flash":
         if gguf_path is None:
             raise CheckpointError("the flash store needs a GGUF expert file (bench convert writes it)")
-        experts = FlashStore(gguf_path, io_threads=io_threads, staging_budget_bytes=staging_budget_bytes, **offload)
+        experts = FlashStore(gguf_path, io_threads=io_threads, staging_budget_bytes=staging_budget_bytes,
+                             staging=staging, **offload)
     elif store == "host":
         pool = fill_host_pool(ckpt, cfg, pool_dtype(ckpt, cfg, dtype))
         experts = HostStore(pool.gate_up, pool.down, pool=pool, **offload)

@@ -265,7 +265,7 @@ class MoEModel:
         that yields each as it lands, so expert k computes while k+1 still loads)."""
         out = self.mlp(h, gate_up, down)
         for k, (expert_gate_up, expert_down) in enumerate(experts):
-            out = out + weights[k] * self.mlp(h, expert_gate_up, expert_down)
+            out = torch.addcmul(out, weights[k], self.mlp(h, expert_gate_up, expert_down))  # out + w_k · e_k(h)
         return x + out
 
     @staticmethod
@@ -327,6 +327,7 @@ class MoEModel:
                 logits = self._decode_compiled(ids, cache, path, phase)
             else:
                 logits = self._forward(ids, cache, path, phase)
+            self.experts.end_forward()
         cache.length += T
         return logits
 
