@@ -273,7 +273,7 @@ REGIME_MODEL, REGIME_PER_SUITE, REGIME_TOKENS = "ds-tiny", 1, 32  # 7 caps × 5 
 
 
 def regime(results_dir: Path, log, per_suite: int = REGIME_PER_SUITE, tokens: int = REGIME_TOKENS,
-           quick: bool = False) -> list[str]:
+           quick: bool = False, caps: list[int | None] | None = None) -> list[str]:
     """The paper's regime measured: Table 2's methods on ds-tiny under real storage read caps
     (the kernel's block-I/O throttle; root), on both engines, then the speed-up-vs-bandwidth
     figure. Skipped, with the reason, where the cap cannot be applied. `quick` (a reproduce run
@@ -309,7 +309,7 @@ def regime(results_dir: Path, log, per_suite: int = REGIME_PER_SUITE, tokens: in
                       SpecOptions(round=SpecConfig(k_max=4, tau=0.6, budget=24)), "q4_0",
                       lambda qt: expert_file_for(REGIME_MODEL, folder, qt, log=log), machine, log=log,
                       method_set="regime", engine=engine,
-                      caps=[REGIME_CAPS[0], None] if quick else REGIME_CAPS)
+                      caps=caps or ([REGIME_CAPS[0], None] if quick else REGIME_CAPS))
         for cell in res["caps"]:
             for row in cell["methods"].values():
                 row.pop("tokens")

@@ -81,6 +81,14 @@ def test_reproduce_writes_fig1a_and_lists_pending(tmp_path):
     assert s["pending"]
 
 
+def test_a_staging_the_engine_lacks_is_refused_by_name(tmp_path):
+    for engine, staging in (("torch", "pagefault"), ("llama.cpp", "odirect")):
+        p = run_bench("run", "--model", "ds-tiny", "--method", "ar", "--engine", engine, "--staging", staging,
+                      "--limit", "1", "--max-new-tokens", "2", "--out", str(tmp_path / engine))
+        assert p.returncode != 0 and "--staging" in p.stderr and staging in p.stderr, p.stderr
+        assert not (tmp_path / engine / "records.jsonl").exists()
+
+
 def test_reproduce_names_a_model_it_cannot_run(tmp_path):
     p = run_bench("reproduce", "--results", str(tmp_path), "--model", "ds")
     assert p.returncode == 2 and "--model" in p.stderr and "ds-tiny" in p.stderr
