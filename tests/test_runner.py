@@ -6,6 +6,7 @@ import time
 from pathlib import Path
 
 from bench.results import read_records
+from draftexpert.runtime.experts import STAGING
 from tests.conftest import BENCH, REPO, run_bench
 
 
@@ -30,7 +31,7 @@ def test_run_writes_records_and_manifest_then_skips_done(tiny_checkpoint, tmp_pa
         assert 1 <= r["new_tokens"] <= 4 and len(r["tokens"]) == r["new_tokens"]
         assert r["method"] == "ar" and r["platform"] == "mn" and r["model"] == "ds-tiny" and r["prompt_tokens"] > 5
         assert r["method_args"] == {"store": "flash", "device": "cpu", "cache_experts": 0, "expert_type": "f32",
-                                    "staging_budget": 0}
+                                    "staging_budget": 0, "staging": STAGING["demand"]}
         # cold flash: each decode step loads top-2 of 8 experts in the one MoE layer
         assert r["decode_loads"] == 2 * (r["new_tokens"] - 1) and r["decode_bytes"] > 0
         assert 0 < r["loading_share"] < 1 and r["ledger"]["by_phase"]["prefill"]["forwards"] == 1

@@ -309,16 +309,23 @@ class ExpertFile:
 
     def read_expert(self, layer: int, e: int) -> RawExpert:
         """Three O_DIRECT reads (gate, up, down slices of expert e) into one pooled, page-aligned
-        staging buffer; bf16/f16/f32 gate and up land adjacent, so they decode as one [2I, H]."""
+        staging buffer, each widened to its 4 KiB envelope; bf16/f16/f32 slices land adjacent."""
+        return self._read(layer, e, direct=True)
+
+    def read_expert_cached(self, layer: int, e: int) -> RawExpert:
+        """Buffered reads of expert e's gate, up and down (waiting for what `advise` started, or
+        reading it now) into one pooled staging buffer, adjacent (one decode). The pages stay in the
+        page cache until `drop_all` (the store calls it after every step / round: cold)."""
+        return self._read(layer, e, direct=False)
+
+    def _read(self, layer: int, e: int, direct: bool) -> RawExpert:
         buf = self.staging.get()
         view, pos, offsets = memoryview(buf), 0, []
         try:
-            for part in PARTS:
-                s = self.slices[(layer, part)]
-                off = s.offset + e * s.nbytes
-                start, end = self._envelope(off, s.nbytes)
-                got = os.preadv(self.fd, [view[pos:pos + end - start]], start)
-                if got < off + s.nbytes - start:
+            for part, (off, n) in zip(PARTS, self.ranges(layer, e)):
+                start, end = self._envelope(off, n) if direct else (off, off + n)
+                if os.preadv(self.fd if direct else self.fd_cached, [view[pos:pos + end - start]], start) \
+                        < off + n - start:
                     raise ExpertFileError(f"{self.path}: short read of {part} expert {e} of layer {layer} "
                                           f"at byte {off:,}: file truncated?")
                 offsets.append(pos + off - start)
@@ -339,26 +346,6 @@ class ExpertFile:
         (posix_fadvise WILLNEED: the kernel's asynchronous readahead — many in flight at once)."""
         for off, n in self.ranges(layer, e):
             os.posix_fadvise(self.fd_cached, off, n, os.POSIX_FADV_WILLNEED)
-
-    def read_expert_cached(self, layer: int, e: int) -> RawExpert:
-        """Buffered reads of expert e's gate, up and down (waiting for what `advise` started, or
-        reading it now) into one pooled staging buffer, adjacent (one decode). The pages stay in the
-        page cache until `drop_all` (the store calls it after every step / round: cold)."""
-        buf = self.staging.get()
-        view, pos, offsets = memoryview(buf), 0, []
-        try:
-            for part, (off, n) in zip(PARTS, self.ranges(layer, e)):
-                if os.preadv(self.fd_cached, [view[pos:pos + n]], off) < n:
-                    raise ExpertFileError(f"{self.path}: short read of {part} expert {e} of layer {layer} "
-                                          f"at byte {off:,}: file truncated?")
-                offsets.append(pos)
-                pos += n
-        except BaseException:
-            view.release()
-            self.staging.put(buf)
-            raise
-        view.release()
-        return RawExpert(layer, buf, tuple(offsets))
 
     def drop_all(self) -> None:
         """Evict the file's pages from the page cache (one call: `read_expert_cached`'s pages, and

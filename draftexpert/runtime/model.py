@@ -295,6 +295,13 @@ class MoEModel:
             self.last_fetched[i] = chosen
             return self.mix(x, h, gate_up, down, w[0], self.experts.fetch_iter(i, chosen, phase))
         out = self.mlp(h, gate_up, down)
+        for tok, slot, gu, dn in self.routed_groups(i, idx, phase):  # each computes as it lands
+            out.index_add_(0, tok, self.mlp(h[tok], gu, dn) * w[tok, slot, None])
+        return x + out
+
+    def routed_groups(self, i: int, idx: torch.Tensor, phase: str):
+        """For each unique expert that the tokens chose at layer i (idx [T, r]), fetched once, as it
+        lands: (tok, slot, gate_up, down) — the tokens that chose it and in which of their r slots."""
         r = idx.shape[1]
         flat = idx.flatten()  # [T·r], row-major: (token, slot)
         order = torch.argsort(flat, stable=True)  # grouped by expert, (token, slot) ascending within each
@@ -302,13 +309,10 @@ class MoEModel:
         unique, counts = torch.stack([unique, counts]).tolist()  # the layer's one host sync: what to fetch
         self.last_fetched[i] = unique
         start = 0
-        for j, (gu, dn) in enumerate(self.experts.fetch_iter(i, unique, phase)):  # each computes as it lands
-            n = counts[j]
-            rows = order[start:start + n]
-            tok, slot = rows // r, rows % r  # the tokens that chose this expert
-            out.index_add_(0, tok, self.mlp(h[tok], gu, dn) * w[tok, slot, None])
-            start += n
-        return x + out
+        for j, (gu, dn) in enumerate(self.experts.fetch_iter(i, unique, phase)):
+            rows = order[start:start + counts[j]]
+            start += counts[j]
+            yield rows // r, rows % r, gu, dn
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(rms_norm(x, self.norm, self.cfg.eps), self.lm_head)

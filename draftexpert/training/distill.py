@@ -224,16 +224,9 @@ class RuntimeTeacher:
     def _routed(self, i: int, h: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, phase: str):
         """(first-choice term, the other choices' terms) of layer i: Σ_k w_k E_k(h) split at k = 0,
         each unique expert fetched once and run on every token that chose it (h [T, H], w / idx [T, r])."""
-        m, r = self.model, idx.shape[1]
-        flat = idx.flatten()
-        order = torch.argsort(flat, stable=True)
-        unique, counts = torch.unique(flat, return_counts=True)
-        unique, counts = torch.stack([unique, counts]).tolist()
-        first, rest, start = torch.zeros_like(h), torch.zeros_like(h), 0
-        for j, (gu, dn) in enumerate(m.experts.fetch_iter(i, unique, phase)):
-            rows = order[start:start + counts[j]]
-            start += counts[j]
-            tok, slot = rows // r, rows % r
+        m = self.model
+        first, rest = torch.zeros_like(h), torch.zeros_like(h)
+        for tok, slot, gu, dn in m.routed_groups(i, idx, phase):
             y = m.mlp(h[tok], gu, dn) * w[tok, slot, None]
             top = slot == 0
             first = first.index_add(0, tok[top], y[top])
