@@ -879,12 +879,17 @@ def speed_overhead(model: ModelOpt = "ds-tiny", model_path: ModelPathOpt = None,
 @speed_app.command("flash")
 def speed_flash(model: ModelOpt = "ds-tiny", model_path: ModelPathOpt = None,
                 expert_type: Annotated[str, typer.Option("--expert-type")] = "bf16",
-                repeats: Annotated[int, typer.Option("--repeats", min=1)] = 20, as_json: JsonOpt = False):
+                repeats: Annotated[int, typer.Option("--repeats", min=1)] = 20,
+                staging: Annotated[str, typer.Option("--staging", help="demand | odirect")] = "demand",
+                as_json: JsonOpt = False):
     """One layer's 6 experts through the flash store vs the disk's O_DIRECT bandwidth for the same size."""
     from bench import speed
+    from draftexpert.runtime.experts import STAGING
 
+    if staging not in STAGING:
+        fail(f"--staging: {staging!r} is not one of {', '.join(STAGING)}")
     folder = resolve_or_fail(model, model_path)
-    r = speed.flash(folder, expert_file(model, folder, expert_type), repeats, log=log)
+    r = speed.flash(folder, expert_file(model, folder, expert_type), repeats, staging=staging, log=log)
     r["model"] = model
     ref = r["odirect_reference"]
     emit(r, as_json, f"{model} {expert_type}: 6 experts = {r['bytes'] / 2**20:.2f} MiB; reads {r['read_ms']['median']:.2f} ms "

@@ -1,5 +1,7 @@
 import json
 
+import pytest
+
 from tests.conftest import REPO, run_bench
 
 
@@ -93,6 +95,17 @@ def test_reproduce_names_a_model_it_cannot_run(tmp_path):
     p = run_bench("reproduce", "--results", str(tmp_path), "--model", "ds")
     assert p.returncode == 2 and "--model" in p.stderr and "ds-tiny" in p.stderr
     assert not any(tmp_path.iterdir())  # refused before writing anything
+
+
+@pytest.mark.parametrize("staging", ["demand", "odirect"])
+def test_speed_flash_measures_a_layers_loads_against_odirect_reads(staging):
+    p = run_bench("speed", "flash", "--model", "ds-tiny", "--expert-type", "q4_0", "--repeats", "3", "--staging",
+                  staging, "--json")
+    assert p.returncode == 0, p.stderr
+    r = json.loads(p.stdout)
+    assert r["staging"] == staging and r["experts"] == 6 and r["load_ms"]["n"] == 3 and r["read_gb_per_s"] > 0
+    bad = run_bench("speed", "flash", "--model", "ds-tiny", "--staging", "pagefault")
+    assert bad.returncode == 2 and "--staging" in bad.stderr
 
 
 def test_speed_host_measures_loads_against_a_copy():
