@@ -44,8 +44,8 @@ LONG_BLOCKS = [
     ("top-3-k8", "top-r", {"r": 3, "k_max": 8, "truncate": False, "prefetch": False}),
     ("draftexpert-k8", "draftexpert", {"k_max": 8, "truncate": False}),
 ]
-SETS = {"table2": METHODS, "table4": POLICIES, "fig3": FOOTPRINT, "regime": METHODS + LONG_BLOCKS,
-        "regime-cell": METHODS + LONG_BLOCKS}
+SETS = {"table2": METHODS, "table4": POLICIES, "fig3": FOOTPRINT, "regime": METHODS + LONG_BLOCKS}
+REGIME_CELL = "regime-cell"  # one cap of the regime set (its methods; `compare` recurses with it)
 
 
 def compare(model: str, folder: Path, platform: str, prompts: list[dict], out_dir: Path, max_new_tokens: int,
@@ -69,11 +69,11 @@ def compare(model: str, folder: Path, platform: str, prompts: list[dict], out_di
             log(f"=== read cap {cap / 1e6:.0f} MB/s" if cap else "=== uncapped")
             sub = out_dir / (f"cap-{cap // 10**6}MBps" if cap else "uncapped")
             per_cap.append(compare(*args, sub, max_new_tokens, spec, expert_type, expert_file, machine, labels, log,
-                                   compile, "regime-cell", engine, staging, read_bw=cap, device=device, dtype=dtype,
+                                   compile, REGIME_CELL, engine, staging, read_bw=cap, device=device, dtype=dtype,
                                    working_set=working_set))
         return {"model": model, "platform": platform, "engine": engine, "set": "regime", "caps": per_cap}
     rows = {}
-    for label, method, over in SETS[method_set]:
+    for label, method, over in SETS["regime" if method_set == REGIME_CELL else method_set]:
         if labels and label not in labels:
             continue
         over = dict(over)

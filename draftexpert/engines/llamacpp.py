@@ -221,7 +221,7 @@ class ExpertPages:
     """Per (layer, expert) byte ranges of the expert split, and evict / prefetch / resident on them."""
 
     def __init__(self, expert_file: Path):
-        index = ExpertFile(expert_file, staging_buffers=0)
+        self.index = index = ExpertFile(expert_file, staging_buffers=0)
         self.path = Path(expert_file).resolve()
         self.slices = index.slices
         self.nbytes = {layer: index.expert_nbytes(layer) for layer in index.layers}
@@ -243,8 +243,8 @@ class ExpertPages:
         self._mappings: list[tuple[int, int]] | None = None  # (start, end) of llama.cpp's mappings of the file
 
     def ranges(self, layer: int, e: int) -> list[tuple[int, int]]:
-        """(file offset, bytes) of expert e's gate, up and down slices."""
-        return [(s.offset + e * s.nbytes, s.nbytes) for s in (self.slices[(layer, p)] for p in PARTS)]
+        """(file offset, bytes) of expert e's gate, up and down slices (`ExpertFile.ranges`)."""
+        return self.index.ranges(layer, e)
 
     def evict(self) -> None:
         """Drop the file's pages from every mapping of it in this process and from the page cache

@@ -13,7 +13,8 @@ for speculation) and one accelerator-side cache with an in-flight set; they diff
 - `FlashStore`     platform mn: experts in a GGUF file (`draftexpert.runtime.gguf_experts`), staged
                    whole on demand: readahead of every expert a forward needs issued at once (all
                    in flight in the kernel), then a buffered read of each as the forward takes it
-                   (pages dropped at once: cold), dequantised on the accelerator side; or, as an
+                   (the file's pages dropped after every step and round: cold), dequantised on the
+                   accelerator side; or, as an
                    ablation, O_DIRECT reads by a pool of reader threads. A DRAM staging budget
                    bounds the raw bytes kept between steps.
 
@@ -367,8 +368,8 @@ class HostStore(ExpertStore):
 
 STAGING = {  # how the flash store reads an expert (recorded in every record's method_args)
     "demand": "whole experts on demand: readahead (fadvise WILLNEED) of every expert a forward needs, all in "
-              "flight in the kernel, then a buffered read of each, its pages dropped at once; decoded on the "
-              "forward's thread as each arrives",
+              "flight in the kernel, then a buffered read of each, decoded on the forward's thread as it arrives; "
+              "the file's pages dropped after every AR step and round",
     "odirect": "whole experts on demand with O_DIRECT, read and decoded by a pool of reader threads (several "
                "reads in flight)",
 }
@@ -393,9 +394,10 @@ class FlashStore(ExpertStore):
         if staging not in STAGING:
             raise ValueError(f"--staging: {staging!r} is not one of {', '.join(STAGING)}")
         super().__init__(**kw)
-        self.staging = staging
-        self.file = ExpertFile(Path(path), staging_buffers=io_threads, direct=staging == "odirect")
-        self.pool = ThreadPoolExecutor(io_threads, thread_name_prefix="odirect") if staging == "odirect" else None
+        odirect = staging == "odirect"
+        # a staging buffer per read in flight: the readers' (odirect), or the forward's one read at a time
+        self.file = ExpertFile(Path(path), staging_buffers=io_threads if odirect else 1, direct=odirect)
+        self.pool = ThreadPoolExecutor(io_threads, thread_name_prefix="odirect") if odirect else None
         self.budget = staging_budget_bytes
         self.staged: OrderedDict[Key, bytes] = OrderedDict()  # raw file bytes kept in DRAM
         self.staged_bytes = 0
@@ -445,8 +447,16 @@ class FlashStore(ExpertStore):
             self.file.drop_all()
 
     def end_block(self):
+        """Readahead no forward waited for is let land first (pages still under I/O cannot be
+        evicted, and would reach the next round as free, unmetered loads — the llama.cpp engine's
+        `end_round` waits the same way; the bytes were issued, their bandwidth is spent either way),
+        then every page the round read leaves the cache."""
+        if self.pool is None:
+            for key, staged in self.inflight.values():
+                if staged is None:
+                    self.file.release(self.file.read_expert_cached(*key))
         super().end_block()
-        if self.pool is None:  # the round's reads, and readahead no forward waited for, leave the page cache
+        if self.pool is None:
             self.file.drop_all()
 
     def close(self):

@@ -6,9 +6,10 @@ ggml lists dims reversed). The expert is the outermost dimension, so expert e of
 contiguous byte range: offset = data_offset + e · (n_bytes / E). Loading one expert is three
 contiguous reads (gate, up, down), two ways: `advise` + `read_expert_cached` — readahead
 requested for every expert a layer needs (all in flight in the kernel), then buffered reads that
-wait for each and drop its pages (the flash store's default, llama.cpp's staging too); or
-`read_expert` — O_DIRECT, each read widened to 4 KiB-aligned bounds (the file's data alignment is
-4 KiB, so bf16/f16/f32 slices are already aligned and Q4_0 slices cost at most one extra page a read). Keeping llama.cpp's layout means
+wait for each, the file's pages dropped afterwards (`drop_all`; the flash store's default,
+llama.cpp's staging too); or `read_expert` — O_DIRECT, each read widened to 4 KiB-aligned bounds
+(the file's data alignment is 4 KiB, so bf16/f16/f32 slices are already aligned and Q4_0 slices
+cost at most one extra page a read). Keeping llama.cpp's layout means
 the same file serves llama.cpp (platform mn's second engine) as split 2 of the model
 (`split.no = 1`; `llama_gguf` writes split 1, the head).
 
@@ -392,7 +393,8 @@ class ExpertFile:
                 decode(raw.buf, og, g.nbytes + u.nbytes + d.nbytes, g.qtype, (1, out.numel()), device, dtype,
                        out=out.view(1, -1))
             else:  # each part decoded in place (O_DIRECT reads land apart)
-                for part, off, (rows, c), at in ((g, og, g.shape, 0), (u, ou, u.shape, n_gu // 2), (d, od, d.shape, n_gu)):
+                for part, off, at in ((g, og, 0), (u, ou, n_gu // 2), (d, od, n_gu)):
+                    rows, c = part.shape
                     decode(raw.buf, off, part.nbytes, part.qtype, (rows, c), device, dtype,
                            out=out[at:at + rows * c].view(rows, c))
         finally:
