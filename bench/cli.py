@@ -974,7 +974,7 @@ def _tiny(model: str) -> str:
 
 @model_app.command("train")
 def model_train(model: Annotated[str, typer.Option("--model", help="ds-tiny | ml-tiny")] = "ds-tiny",
-                steps: Annotated[int, typer.Option("--steps", min=1)] = 800,
+                steps: Annotated[int, typer.Option("--steps", min=1)] = 1200,
                 batch_size: Annotated[int, typer.Option("--batch-size", min=1)] = 8,
                 seq_len: Annotated[int, typer.Option("--seq-len", min=16)] = 512,
                 lr: Annotated[float, typer.Option("--lr")] = 2e-3,
@@ -982,7 +982,9 @@ def model_train(model: Annotated[str, typer.Option("--model", help="ds-tiny | ml
                 seed: Annotated[int, typer.Option("--seed")] = 1234,
                 out: Annotated[Path | None, typer.Option("--out", help="Training folder (state, log).")] = None,
                 install: Annotated[bool, typer.Option("--install/--no-install",
-                                                      help="Copy the result into models/<name> and write its card.")] = True):
+                                                      help="Copy the result into models/<name> and write its card.")] = True,
+                new_tokenizer: Annotated[bool, typer.Option("--new-tokenizer", help="Train a new BPE on the corpus "
+                                                            "instead of encoding it with models/<name>'s tokenizer.")] = False):
     """Train (or resume) an embedded model from scratch: corpus → tokenizer → training → card.
 
     The committed models were made with the defaults, both trained at once, one thread each."""
@@ -993,7 +995,9 @@ def model_train(model: Annotated[str, typer.Option("--model", help="ds-tiny | ml
     if not (CORPUS_DIR / "train.jsonl").exists():
         corpus.build(CORPUS_DIR, log=log)
     if not (DATA_DIR / "train.bin").exists():
-        tokenizer.prepare(CORPUS_DIR, DATA_DIR, log=log)
+        committed = registry.EMBEDDED_DIR / model
+        tokenizer.prepare(CORPUS_DIR, DATA_DIR, log=log, tokenizer_dir=committed if (committed / "tokenizer.json").exists()
+                          and not new_tokenizer else None)
     cfg = TrainConfig(model=model, steps=steps, batch_size=batch_size, seq_len=seq_len, lr=lr, threads=threads, seed=seed)
     train_dir = out or TRAIN_DIR / model
     final = train(cfg, DATA_DIR, train_dir, log=log)
@@ -1031,6 +1035,7 @@ def _evaluate(model: str, folder: Path, limit: int | None, continuations: bool) 
     result["model"] = model
     if continuations:
         result["continuations"] = ev.continuations(target, tok)
+        result["repetition"] = ev.repetition(target, tok)
     return result
 
 

@@ -79,13 +79,25 @@ def make_teacher(model: str, folder: Path, kind: str, platform: str, expert_type
     return RuntimeTeacher(build_model(folder, {"mn": "flash", "cg": "host"}[platform], device=device, gguf_path=gguf))
 
 
+def state_dir(model: str, folder: Path, cfg, kind: str, platform: str, expert_type: str) -> Path:
+    """Where a distillation's resumable state lives: keyed by the configuration *and* the target's
+    weights, so that a retrained target never resumes (and silently finishes with) the draft experts
+    of the target it replaced."""
+    import hashlib
+
+    from draftexpert.runtime.checkpoint import weights_fingerprint
+
+    key = hashlib.sha256(json.dumps({**asdict(cfg), "target": weights_fingerprint(folder)},
+                                    sort_keys=True).encode()).hexdigest()[:8]
+    suffix = "" if kind == "transformers" else f"-{platform}-{expert_type}" if platform == "mn" else f"-{platform}"
+    return WORK / "distill" / f"{model}-{cfg.preset}-{key}{suffix}"
+
+
 def distill(model: str, folder: Path, cfg, out: Path | None, log, teacher: str = "auto", platform: str = "mn",
             expert_type: str = "q4_0", device: str = "cpu", data=None, held_out: int = EVAL_WINDOWS) -> dict:
     """Train, save the paired checkpoint with its history and loss curve. `data`: (train tokens,
     held-out tokens) instead of the corpus's splits in the model's tokenizer; `held_out`: windows
     of the validation split evaluated every `eval_every` steps and at the end."""
-    import hashlib
-
     from draftexpert.training.distill import eval_windows, save_draft_experts, train
 
     kind = teacher_kind(model, teacher)
@@ -101,10 +113,9 @@ def distill(model: str, folder: Path, cfg, out: Path | None, log, teacher: str =
                                                          if plan["distill_accelerator"] else ""))
     t = make_teacher(model, folder, kind, platform, expert_type, device, log)
     t0 = time.perf_counter()
-    key = hashlib.sha256(json.dumps(asdict(cfg), sort_keys=True).encode()).hexdigest()[:8]
-    suffix = "" if kind == "transformers" else f"-{platform}-{expert_type}" if platform == "mn" else f"-{platform}"
     try:
-        draft, history = train(t, train_data, windows, cfg, WORK / "distill" / f"{model}-{cfg.preset}-{key}{suffix}", log=log)
+        draft, history = train(t, train_data, windows, cfg, state_dir(model, folder, cfg, kind, platform, expert_type),
+                               log=log)
     finally:
         if kind == "runtime":
             t.model.experts.close()

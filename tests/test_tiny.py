@@ -32,6 +32,33 @@ def test_tokenizer_round_trip_and_chat_template(tmp_path):
     assert tok.chat_template == CHAT_TEMPLATE and tok.model_max_length == 2048
 
 
+def test_prepare_encodes_with_a_committed_tokenizer_instead_of_training_one(tmp_path):
+    from bench.tiny.tokenizer import prepare
+
+    docs = ["def add(a, b):\n    return a + b\n", "The quick brown fox jumps over the lazy dog."] * 30
+    train_tokenizer(iter(docs), tmp_path / "committed", vocab_size=300)
+    corpus_dir, data_dir = tmp_path / "corpus", tmp_path / "data"
+    corpus_dir.mkdir()
+    for split in ("train", "val"):
+        (corpus_dir / f"{split}.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs[:4]))
+    prepare(corpus_dir, data_dir, log=lambda *_: None, tokenizer_dir=tmp_path / "committed")
+    from transformers import AutoTokenizer
+
+    committed, used = AutoTokenizer.from_pretrained(tmp_path / "committed"), AutoTokenizer.from_pretrained(data_dir / "tokenizer")
+    assert used.get_vocab() == committed.get_vocab()
+    ids = np.fromfile(data_dir / "train.bin", dtype=np.uint16).tolist()
+    assert ids[0] == committed.bos_token_id and committed.decode(ids[1:ids.index(committed.eos_token_id)]) == docs[0]
+
+
+def test_repeated_ngram_share_counts_repeats_of_earlier_ngrams():
+    from bench.tiny.evaluate import repeated_ngram_share
+
+    assert repeated_ngram_share([1, 2, 3, 4, 5, 6, 7]) == 0.0
+    assert repeated_ngram_share([1, 2, 3, 4, 1, 2, 3, 4]) == pytest.approx(1 / 5)  # (1,2,3,4) again, once
+    assert repeated_ngram_share([9] * 10) == pytest.approx(6 / 7)  # a one-token loop: all but the first
+    assert repeated_ngram_share([1, 2, 3]) == 0.0  # shorter than one 4-gram
+
+
 def test_v2_balance_loss_is_minimal_when_balanced():
     # f_i P_i summed: uniform routing gives exactly 1; collapsing onto experts raises it
     E, K, T = 8, 2, 64

@@ -96,8 +96,10 @@ def write_card(folder: Path, name: str, reproduce_cmd: str) -> Path:
     v3 = cfg["model_type"] == "deepseek_v3"
     routing = ("sigmoid scores + `e_score_correction_bias` choose the top-6 (`noaux_tc`, one group); weights = "
                f"un-biased sigmoid scores, normalised, × {cfg['routed_scaling_factor']} (Moonlight's routing)"
-               if v3 else "softmax over 64 experts, greedy top-6, no renormalisation, scale "
-               f"{cfg['routed_scaling_factor']} (DeepSeek-V2-Lite's routing)")
+               if v3 else "softmax over 64 experts, greedy top-6, no renormalisation, routed output × "
+               f"{cfg['routed_scaling_factor']} (DeepSeek-V2's routing"
+               + ("; V2-Lite ships scale 1.0, see `bench/tiny/configs.py` for why this one is larger)"
+                  if cfg["routed_scaling_factor"] != 1.0 else ")"))
     balance = ("DeepSeek-V3 auxiliary-loss-free balancing: after each step b_i ← b_i + u·sign(mean load − load_i), "
                f"u = {tcfg['bias_update_speed']}, plus V3's sequence-wise balance loss α = {tcfg['seq_balance_alpha']}"
                if v3 else f"DeepSeek-V2 expert-level balance loss α·Σ_i f_i P_i per MoE layer, α = {tcfg['balance_alpha']}")
@@ -160,6 +162,17 @@ def write_card(folder: Path, name: str, reproduce_cmd: str) -> Path:
         "", "![expert usage](expert_usage.png)", "",
         "## Greedy continuations", "",
     ]
+    rep = ev.get("repetition")
+    if rep:
+        lines += [f"Greedy AR continuations of {rep['prompts']} benchmark prompts (the first {rep['prompts'] // 6} of each "
+                  f"suite, through the chat template), {rep['max_new_tokens']} new tokens: "
+                  f"**{rep['mean_repeated_4gram_share']:.0%}** of their token 4-grams repeat an earlier 4-gram of the same "
+                  f"continuation (mean over prompts); the most common opening (first 4 tokens, "
+                  f"`{rep['most_shared_opening'].strip()}`) is shared by **{rep['max_shared_opening']}** of "
+                  f"{rep['prompts']} prompts.", "",
+                  "| prompt | repeated 4-grams | opening |", "|---|---|---|",
+                  *[f"| {r['id']} | {r['repeated_4gram_share']:.0%} | `{r['opening'].strip()}` |" for r in rep["rows"]], "",
+                  "A few of the continuations in full:", ""]
     for c in ev.get("continuations", []):
         lines += [f"**{c['kind']}** — prompt: `{c['prompt'].strip()[:80]}`", "", "```", c["continuation"].strip(), "```", ""]
     lines += ["## Licence and credits", "",

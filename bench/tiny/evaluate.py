@@ -7,6 +7,9 @@ baseline of the same tokenizer, per-layer expert usage, and greedy continuations
   usage share_{l,i}   = tokens routed to expert i in layer l / (tokens · top-k)
   usage entropy_l     = −Σ_i share_{l,i} log share_{l,i} / log E      (1 = perfectly even)
   max share × uniform = max_i share_{l,i} · E                         (1 = even; the bar is ≤ 3)
+  repeated 4-grams    = of a greedy continuation's token 4-grams, the share equal to an earlier one
+                        in the same continuation (0 = never repeats itself; a loop tends to 1)
+  shared opening      = the most prompts whose continuations begin with the same 4 tokens
 """
 from __future__ import annotations
 
@@ -97,6 +100,42 @@ def continuations(model, tokenizer, max_new_tokens: int = 48) -> list[dict]:
         out.append({"kind": kind, "prompt": text, "continuation": tokenizer.decode(toks, skip_special_tokens=True),
                     "distinct_tokens": len(set(toks)), "tokens": len(toks)})
     return out
+
+
+def repeated_ngram_share(tokens: list[int], n: int = 4) -> float:
+    """Share of the n-grams of `tokens` that already occurred earlier in `tokens`."""
+    grams = [tuple(tokens[i:i + n]) for i in range(len(tokens) - n + 1)]
+    seen, repeats = set(), 0
+    for g in grams:
+        repeats += g in seen
+        seen.add(g)
+    return repeats / len(grams) if grams else 0.0
+
+
+REPETITION_PER_SUITE = 2  # prompts per benchmark suite (6 suites → 12 prompts)
+
+
+@torch.inference_mode()
+def repetition(model, tokenizer, max_new_tokens: int = 64, per_suite: int = REPETITION_PER_SUITE) -> dict:
+    """Greedy AR continuations of the first `per_suite` prompts of every benchmark suite, through the
+    chat template as the benchmarks render them: does the model follow its prompt or fall into one
+    loop? (Acceptance measured on a loop is not the acceptance the paper measures.)"""
+    from collections import Counter
+
+    from bench import prompts as suites
+    from draftexpert.engines.reference import ReferenceDecoder
+
+    dec = ReferenceDecoder(model)
+    rows = []
+    for p in suites.load(limit=per_suite):
+        toks = dec.generate(suites.render_prompt(tokenizer, p["prompt"]), max_new_tokens, tokenizer.eos_token_id).tokens
+        rows.append({"id": p["id"], "tokens": len(toks), "repeated_4gram_share": repeated_ngram_share(toks),
+                     "opening": tokenizer.decode(toks[:4]), "opening_ids": toks[:4]})
+    openings = Counter(tuple(r["opening_ids"]) for r in rows if len(r["opening_ids"]) == 4)
+    top, count = openings.most_common(1)[0] if openings else ((), 0)
+    return {"prompts": len(rows), "max_new_tokens": max_new_tokens,
+            "mean_repeated_4gram_share": float(np.mean([r["repeated_4gram_share"] for r in rows])),
+            "max_shared_opening": count, "most_shared_opening": tokenizer.decode(list(top)), "rows": rows}
 
 
 def load_split(data_dir: Path, split: str) -> np.ndarray:

@@ -59,17 +59,27 @@ def encode_documents(tokenizer, texts: list[str], batch: int = 256) -> np.ndarra
     return np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.uint16)
 
 
-def prepare(corpus_dir: Path, data_dir: Path, log=print):
-    """Train the tokenizer on the corpus's train split and write `train.bin` / `val.bin` (uint16)."""
+def prepare(corpus_dir: Path, data_dir: Path, log=print, tokenizer_dir: Path | None = None):
+    """Write `train.bin` / `val.bin` (uint16) of the corpus in the tokenizer of `tokenizer_dir` (a
+    committed model's: what retraining that model must see), else in a BPE trained on the train split.
+    BPE training is not reproducible run to run (the trainer breaks ties between equal pair counts in
+    hash-map order), so a model's tokenizer is made once and then committed with its weights."""
     import json
+
+    from transformers import AutoTokenizer
 
     def texts(split):
         with open(corpus_dir / f"{split}.jsonl", encoding="utf-8") as f:
             return [json.loads(line)["text"] for line in f]
 
     train_texts = texts("train")
-    tok = train_tokenizer(iter(train_texts), data_dir / "tokenizer")
-    log(f"tokenizer: {len(tok)} tokens")
+    if tokenizer_dir is not None:
+        tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+        tok.save_pretrained(data_dir / "tokenizer")
+        log(f"tokenizer: {len(tok)} tokens, from {tokenizer_dir}")
+    else:
+        tok = train_tokenizer(iter(train_texts), data_dir / "tokenizer")
+        log(f"tokenizer: {len(tok)} tokens, trained on the corpus")
     for split, docs in (("train", train_texts), ("val", texts("val"))):
         ids = encode_documents(tok, docs)
         tmp = data_dir / f"{split}.bin.part"

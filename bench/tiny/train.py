@@ -30,7 +30,7 @@ import torch.nn.functional as F
 @dataclass
 class TrainConfig:
     model: str = "ds-tiny"
-    steps: int = 800
+    steps: int = 1200
     batch_size: int = 8
     seq_len: int = 512
     lr: float = 2e-3
