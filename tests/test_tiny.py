@@ -90,6 +90,30 @@ def _v3_small() -> DeepseekV3Config:
                             norm_topk_prob=True, routed_scaling_factor=2.5)
 
 
+def test_evaluation_reports_what_the_routed_experts_carry():
+    """V3 with normalised top-k weights: Σ top-k gate weights is the scaling factor on every token;
+    routed : shared is the routed output's norm over the shared experts' (here measured by hand)."""
+    from transformers import DeepseekV3ForCausalLM
+
+    from bench.tiny.evaluate import evaluate
+
+    torch.manual_seed(0)
+    model = DeepseekV3ForCausalLM(_v3_small()).eval()
+    data = np.random.default_rng(0).integers(3, 64, size=4 * 33 + 1).astype(np.uint16)
+    r = evaluate(model, data, data, seq_len=32, limit=4)
+    assert r["routed_weight_sum"] == [pytest.approx(2.5, rel=1e-5)]  # one MoE layer
+    moe, seen = model.model.layers[1].mlp, {}
+    hook = moe.register_forward_hook(lambda m, i, o: seen.update(h=i[0].reshape(-1, 32), y=o.reshape(-1, 32)))
+    with torch.no_grad():
+        for i in range(4):
+            model(input_ids=torch.from_numpy(data[i * 32: i * 32 + 33][None, :-1].astype(np.int64)))
+            shared = moe.shared_experts(seen["h"])
+            seen.setdefault("r", []).append((seen["y"] - shared).norm(dim=-1).sum().item())
+            seen.setdefault("s", []).append(shared.norm(dim=-1).sum().item())
+    hook.remove()
+    assert r["routed_to_shared_norm"] == [pytest.approx(sum(seen["r"]) / sum(seen["s"]), rel=1e-4)]
+
+
 def test_training_resumes_exactly_and_updates_v3_bias(tmp_path):
     data = _tiny_data(tmp_path, 64)
     cfg = TrainConfig(model="ml-tiny", steps=6, batch_size=2, seq_len=32, warmup=2, ckpt_every=3, eval_every=3,

@@ -155,10 +155,15 @@ def write_card(folder: Path, name: str, reproduce_cmd: str) -> Path:
         "one 465 KB file) dominates it:", "",
         f"- validation perplexity **{ev['perplexity']:.1f}** vs the unigram baseline of the same tokenizer **{ev['unigram_perplexity']:.1f}**",
         "- expert usage per MoE layer (normalised entropy; max and min load share × uniform; experts used of "
-        f"{cfg['n_routed_experts']}):", "",
-        "| MoE layer | entropy | max × uniform | min × uniform | experts used |", "|---|---|---|---|---|",
-        *[f"| {i + 1} | {e:.3f} | {mx:.2f} | {mn:.2f} | {u} |" for i, (e, mx, mn, u) in enumerate(
-            zip(ev["usage_entropy"], ev["max_share_x_uniform"], ev["min_share_x_uniform"], ev["experts_used"]))],
+        f"{cfg['n_routed_experts']}) and how much of each token the routed experts carry (mean Σ of the top-"
+        f"{cfg['num_experts_per_tok']} gate weights, scaling factor included; mean routed output norm over the shared "
+        "experts' — what a shared+top-1 draft mostly leaves out):", "",
+        "| MoE layer | entropy | max × uniform | min × uniform | experts used | Σ top-k weights | routed : shared |",
+        "|---|---|---|---|---|---|---|",
+        *[f"| {i + 1} | {e:.3f} | {mx:.2f} | {mn:.2f} | {u} | {ws} | {rs} |" for i, (e, mx, mn, u, ws, rs) in enumerate(
+            zip(ev["usage_entropy"], ev["max_share_x_uniform"], ev["min_share_x_uniform"], ev["experts_used"],
+                [f"{x:.2f}" for x in ev.get("routed_weight_sum", [])] or ["–"] * len(ev["experts_used"]),
+                [f"{x:.2f}" for x in ev.get("routed_to_shared_norm", [])] or ["–"] * len(ev["experts_used"])))],
         "", "![expert usage](expert_usage.png)", "",
         "## Greedy continuations", "",
     ]

@@ -7,6 +7,9 @@ baseline of the same tokenizer, per-layer expert usage, and greedy continuations
   usage share_{l,i}   = tokens routed to expert i in layer l / (tokens · top-k)
   usage entropy_l     = −Σ_i share_{l,i} log share_{l,i} / log E      (1 = perfectly even)
   max share × uniform = max_i share_{l,i} · E                         (1 = even; the bar is ≤ 3)
+  routed weight sum   = mean over tokens of Σ_{e ∈ TopK} g_{l,e} (the scaling factor included)
+  routed : shared     = mean_t ‖y_l − S_l(h)‖ / mean_t ‖S_l(h)‖: how much of each token the routed
+                        experts carry against the shared experts (a top-1 draft misses k − 1 of them)
   repeated 4-grams    = of a greedy continuation's token 4-grams, the share equal to an earlier one
                         in the same continuation (0 = never repeats itself; a loop tends to 1)
   shared opening      = the most prompts whose continuations begin with the same 4 tokens
@@ -41,12 +44,29 @@ def evaluate(model, val: np.ndarray, train: np.ndarray, seq_len: int = 512, limi
     cfg = model.config
     n_experts = cfg.n_routed_experts
     taps: list[torch.Tensor] = []
-    routers = [layer.mlp.gate for layer in model.model.layers if hasattr(layer.mlp, "gate")]
-    handles = [r.register_forward_hook(lambda m, i, o: taps.append(o[2])) for r in routers]
+    moes = [layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "gate")]
+    weight_sum, routed_norm, shared_norm = (torch.zeros(len(moes), dtype=torch.float64) for _ in range(3))
+
+    def routed(j):  # the router's choice (usage) and weights
+        def fn(gate, inputs, output):
+            taps.append(output[2])
+            weight_sum[j] += output[1].sum().item()
+        return fn
+
+    def carried(j):  # how much of each token the routed experts carry, against the shared experts
+        def fn(moe, inputs, output):
+            h = inputs[0].reshape(-1, inputs[0].shape[-1])
+            shared = moe.shared_experts(h)
+            routed_norm[j] += (output.reshape(-1, h.shape[-1]) - shared).norm(dim=-1).sum().item()
+            shared_norm[j] += shared.norm(dim=-1).sum().item()
+        return fn
+
+    handles = [moe.gate.register_forward_hook(routed(j)) for j, moe in enumerate(moes)]
+    handles += [moe.register_forward_hook(carried(j)) for j, moe in enumerate(moes)]
     uni = unigram_logprobs(train, cfg.vocab_size)
     nll = uni_nll = 0.0
     n_tok = 0
-    usage = torch.zeros(len(routers), n_experts, dtype=torch.float64)
+    usage = torch.zeros(len(moes), n_experts, dtype=torch.float64)
     try:
         ws = windows(val, seq_len, limit)
         for i in range(0, len(ws), batch):
@@ -69,6 +89,7 @@ def evaluate(model, val: np.ndarray, train: np.ndarray, seq_len: int = 512, limi
         "usage_entropy": entropy.tolist(), "max_share_x_uniform": (share.max(1).values * n_experts).tolist(),
         "min_share_x_uniform": (share.min(1).values * n_experts).tolist(),
         "experts_used": (usage > 0).sum(1).tolist(), "usage_share": share.tolist(),
+        "routed_weight_sum": (weight_sum / n_tok).tolist(), "routed_to_shared_norm": (routed_norm / shared_norm).tolist(),
     }
 
 
