@@ -36,18 +36,13 @@ def test_loss_terms_on_hand_made_activations():
     m = torch.randn(5, 8)
     z = torch.randn(1, 5, 11)
     log_r = torch.randn(5, 6).log_softmax(-1)
-    routed_sq = (2 * m).pow(2).sum().reshape(1)  # a routed output of which the draft path misses half (m*)
-    target = {"logits": z, "layers": {1: {"m": m, "routed_sq": routed_sq, "log_r": log_r}}}
+    target = {"logits": z, "layers": {1: {"m": m, "log_r": log_r}}}
     same = {"logits": z.clone(), "layers": {1: {"de": m.clone(), "log_r": log_r.clone()}}}
     parts = losses(target, same, ("res", "logit", "tok", "router"))
     assert parts["res"] == 0 and parts["logit"].abs() < 1e-6 and parts["router"].abs() < 1e-6
     assert torch.isclose(parts["tok"], torch.nn.functional.cross_entropy(z[0], z[0].argmax(-1)))
     off = {"logits": z, "layers": {1: {"de": m + 1.0, "log_r": log_r}}}
-    # relative: Σ_t ‖1‖² over H = 8, 5 tokens, over the routed output's Σ_t ‖y* − S‖²; the zero draft
-    # expert scores the share of the routed energy it misses (here ‖m*‖² / ‖2m*‖² = 1/4)
-    assert torch.isclose(losses(target, off, ("res",))["res"], 40.0 / routed_sq[0])
-    zero = {"logits": z, "layers": {1: {"de": torch.zeros_like(m), "log_r": log_r}}}
-    assert torch.isclose(losses(target, zero, ("res",))["res"], torch.tensor(0.25))
+    assert torch.isclose(losses(target, off, ("res",))["res"], torch.tensor(8.0))  # ‖1‖² over H = 8
     assert set(losses(target, same, ("res",))) == {"res"}
 
 
@@ -175,7 +170,6 @@ def test_distillation_runs_through_the_offload_runtime(tmp_path):
                         log=lambda m: None, progress=False)
     assert all(p.abs().sum() > 0 for p in draft.down.values()) and len(hist) == 3
     assert 0 <= hist[-1]["eval"]["router_agreement"] <= 1
-
 
 def test_resumable_state_is_keyed_by_the_target_weights(tmp_path):
     """A retrained target (same config, new weights) must not resume the old target's distillation."""

@@ -11,6 +11,7 @@ from transformers import DeepseekV3Config
 
 from bench import prompts, registry
 from bench.tiny import corpus
+from bench.tiny.configs import TINY_CONFIGS
 from bench.tiny.tokenizer import CHAT_TEMPLATE, train_tokenizer
 from bench.tiny.train import TrainConfig, balance_loss, train
 
@@ -205,6 +206,7 @@ def test_committed_model_loads_offline_with_the_spec_routing(name, monkeypatch):
     else:
         assert type(model).__name__ == "DeepseekV2ForCausalLM" and model.config.topk_method == "greedy"
         assert not model.config.norm_topk_prob
+        assert model.config.routed_scaling_factor == TINY_CONFIGS[name]().routed_scaling_factor
     ids = tok.apply_chat_template([{"role": "user", "content": "What is a list?"}], add_generation_prompt=True)
     ids = ids["input_ids"] if hasattr(ids, "keys") else ids
     out = model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)

@@ -9,7 +9,7 @@ the one a 16B target fits in):
                (Eq. 5), e1 the router's first choice on h^d; z^d are its logits. The gate weight
                g_{l,e1} is the target's weight for e1 (see `draftexpert.speculation.drafters`).
 Losses (each term a mean over tokens, and over MoE layers for the per-layer terms):
-  L_res    = Σ_t ‖γ_l E^d_l(h^d_l) − m*_l‖² / Σ_t ‖y*_l − S_l(h*_l)‖²,  m*_l = y*_l − S_l(h*_l) − g_{l,e1} E_{l,e1}(h*_l)   (Eq. 6–7)
+  L_res    = ‖γ_l E^d_l(h^d_l) − m*_l‖²,  m*_l = y*_l − S_l(h*_l) − g_{l,e1} E_{l,e1}(h*_l)   (Eq. 6–7)
              the draft expert sees the draft path's state (what it sees when drafting); the
              target is the residual the draft path is missing, measured on the target path.
   L_logit  = T² · KL(softmax(z*/T) ‖ softmax(z^d/T))                                       (Eq. 8)
@@ -147,9 +147,8 @@ def target_pass(model, cfg: ModelConfig, x: torch.Tensor) -> dict:
         def fn(moe, inputs, output):
             h = inputs[0].reshape(-1, inputs[0].shape[-1])
             logits, w, idx = router_choice(moe, cfg, h)
-            routed = output.reshape(-1, h.shape[-1]) - moe.shared_experts(h)
-            m = routed - top1_term(moe, h, w, idx)
-            acts[i] = {"m": m, "routed_sq": routed.pow(2).sum().reshape(1), "log_r": router_distribution(logits, cfg), "topk": idx}
+            m = output.reshape(-1, h.shape[-1]) - moe.shared_experts(h) - top1_term(moe, h, w, idx)
+            acts[i] = {"m": m, "log_r": router_distribution(logits, cfg), "topk": idx}
         return fn
 
     handles = [moe.register_forward_hook(hook(i)) for i, moe in moe_layers(model)]
@@ -270,8 +269,7 @@ class RuntimeTeacher:
                 acts.append({})
             L = m.layers[i]
             first, rest = self._routed(i, h, w, idx, phase)
-            acts[-1][i] = {"m": rest, "routed_sq": (first + rest).float().pow(2).sum().reshape(1),  # [1]: gathered per window
-                           "log_r": router_distribution(m.router_logits[i], self.cfg), "topk": idx}
+            acts[-1][i] = {"m": rest, "log_r": router_distribution(m.router_logits[i], self.cfg), "topk": idx}
             return x_ + m.mlp(h, L["shared_gate_up"], L["shared_down"]) + first + rest
 
         logits = self._windows(x, moe, "distill-target")
@@ -308,10 +306,7 @@ def losses(target: dict, draft: dict, terms: tuple[str, ...], temperature: float
     out = {}
     zt, zd = target["logits"].flatten(0, 1).float(), draft["logits"].flatten(0, 1).float()
     if "res" in terms:
-        # relative to the routed output's energy ‖y* − S(h*)‖² over the batch's tokens: the share of the
-        # routed experts' output the draft path misses, whatever its scale (raw, L_res is 10²–10³× L_logit
-        # on the tiny targets and swamps the other terms' gradients)
-        out["res"] = torch.stack([(draft["layers"][i]["de"] - a["m"]).pow(2).sum() / a["routed_sq"].sum().clamp_min(1e-12)
+        out["res"] = torch.stack([(draft["layers"][i]["de"] - a["m"]).pow(2).sum(-1).mean()
                                   for i, a in target["layers"].items()]).mean()
     if "logit" in terms:
         T = temperature
