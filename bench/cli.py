@@ -1065,7 +1065,7 @@ def model_eval(model: Annotated[str, typer.Option("--model", help="ds-tiny | ml-
 def distill_cmd(model: ModelOpt = "ds-tiny", model_path: ModelPathOpt = None,
                 preset: Annotated[str, typer.Option("--preset", help="full | top1 | residual | logit-token | router "
                                                     "(= full, Table 5's last row)")] = "full",
-                steps: Annotated[int, typer.Option("--steps", min=1)] = 600,
+                steps: Annotated[int, typer.Option("--steps", min=1)] = 300,
                 batch_size: Annotated[int, typer.Option("--batch-size", min=1)] = 8,
                 seq_len: Annotated[int, typer.Option("--seq-len", min=8)] = 256,
                 lr: Annotated[float, typer.Option("--lr", min=0.0)] = 2e-3,
@@ -1073,9 +1073,10 @@ def distill_cmd(model: ModelOpt = "ds-tiny", model_path: ModelPathOpt = None,
                                                                  "expert (default: the routed experts')")] = None,
                 fixed_gamma: Annotated[bool, typer.Option("--fixed-gamma", help="Keep γ_l = 1 instead of learning "
                                                           "it.")] = False,
-                alpha: Annotated[float, typer.Option("--alpha", min=0.0, help="Weight of L_tok (Eq. 11).")] = 1.0,
-                beta: Annotated[float, typer.Option("--beta", min=0.0, help="Weight of L_res.")] = 1.0,
-                eta: Annotated[float, typer.Option("--eta", min=0.0, help="Weight of L_router.")] = 1.0,
+                alpha: Annotated[float, typer.Option("--alpha", min=0.0, help="Weight of L_tok (Eq. 11).")] = 0.1,
+                beta: Annotated[float, typer.Option("--beta", min=0.0, help="Weight of L_res (raw: Σ over hidden of "
+                                                                     "the squared error).")] = 1e-3,
+                eta: Annotated[float, typer.Option("--eta", min=0.0, help="Weight of L_router.")] = 10.0,
                 threads: Annotated[int, typer.Option("--threads", min=1)] = 2,
                 seed: Annotated[int, typer.Option("--seed")] = 0,
                 out: Annotated[Path | None, typer.Option("--out", help="Draft-expert checkpoint to write.")] = None,
@@ -1166,6 +1167,10 @@ def distill_eval_cmd(model: ModelOpt = "ds-tiny", model_path: ModelPathOpt = Non
                      threads: Annotated[int, typer.Option("--threads", min=1)] = 1,
                      card: Annotated[bool, typer.Option("--card", help="Write table5.json and the card (README.md) "
                                                         "into the draft experts' folder.")] = False,
+                     draft_experts: Annotated[list[Path] | None, typer.Option("--draft-experts", help="Also a row for "
+                                                                           "this checkpoint (named by its file "
+                                                                           "name), e.g. an ablation's `bench distill "
+                                                                           "--out`; repeatable.")] = None,
                      as_json: JsonOpt = False):
     """Table 5: per preset, KL(target‖draft) and token / router agreement on held-out text, and
     DraftExpert's acceptance and prefetch hit rate at K = 4 on the prompt suites (five suites, no
@@ -1180,11 +1185,18 @@ def distill_eval_cmd(model: ModelOpt = "ds-tiny", model_path: ModelPathOpt = Non
     if bad:
         fail(f"--preset: unknown {', '.join(bad)}; known: {', '.join(PRESETS)}")
     folder = resolve_or_fail(model, model_path)
+    files = {p.name.removesuffix(".safetensors"): p for p in draft_experts or []}
+    missing = [str(p) for p in files.values() if not p.is_file()]
+    if missing:
+        fail(f"--draft-experts: no file at {', '.join(missing)} (write one with `bench distill --out FILE`)")
+    if card and files:
+        fail("--card: writes the presets' Table 5; run it without --draft-experts")
     torch.set_num_threads(threads)
     suites = ["chat", "gsm8k", "mbpp", "summarization", "ifeval"]
     recs = [p for s in suites for p in prompts.load(s, limit)]
     try:
-        r = bd.distill_eval(model, folder, preset or bd.PRESET_ORDER, recs, max_new_tokens, seq_len, log)
+        r = bd.distill_eval(model, folder, preset or ([] if files else bd.PRESET_ORDER), recs, max_new_tokens,
+                            seq_len, log, files=files)
     except (DistillError, FileNotFoundError) as e:
         fail(str(e))
     if card:

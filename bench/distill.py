@@ -159,9 +159,10 @@ def loss_curve(history: list[dict], path: Path, title: str) -> None:
 
 
 def distill_eval(model: str, folder: Path, presets: list[str], prompts: list[dict], max_new_tokens: int,
-                 seq_len: int, log, held_out: int = EVAL_WINDOWS) -> dict:
+                 seq_len: int, log, held_out: int = EVAL_WINDOWS, files: dict[str, Path] | None = None) -> dict:
     """Table 5 per preset: KL, token agreement, router agreement on held-out windows; acceptance
-    and prefetch hit rate of DraftExpert at K = 4 (no truncation, prefetch on, cold host store)."""
+    and prefetch hit rate of DraftExpert at K = 4 (no truncation, prefetch on, cold host store).
+    `files`: rows for other checkpoints (row name → file), e.g. an ablation's, after the presets'."""
     from bench.prompts import render_prompt
     from draftexpert import metrics
     from draftexpert.engines.torch_engine import TorchEngine
@@ -180,11 +181,12 @@ def distill_eval(model: str, folder: Path, presets: list[str], prompts: list[dic
     lean = build_model(folder, "host")
     layers = [i for i, _ in moe_layers(hf)]
     rows = {}
-    for preset in presets:
+    files = files or {}
+    for preset in [*presets, *(f for f in files if f not in presets)]:
         if preset == "top1":
             experts, meta = DraftExperts.zeros(layers, lean.cfg.hidden, lean.cfg.moe_inter), {"preset": "top1"}
         else:
-            path = find_draft_experts(model, folder, preset)
+            path = files.get(preset) or find_draft_experts(model, folder, preset)
             if path is None:
                 log(f"{preset}: no checkpoint in {experts_dir(model, folder)}; run `bench distill --model {model} "
                     f"--preset {preset}`")

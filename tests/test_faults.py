@@ -322,3 +322,17 @@ def test_cg_without_a_gpu_is_refused_unless_the_cpu_is_asked_for(tiny_checkpoint
     assert json.loads(res.stdout[res.stdout.index("{"):])["records"][0]["method_args"]["device"] == "cpu"
     res = CliRunner().invoke(app, _run(tiny_checkpoint, tmp_path / "z", "--platform", "mn", "--device", "cuda"))
     assert res.exit_code == 2 and "--device does not apply to --platform mn" in res.output
+
+
+def test_distill_eval_refuses_a_missing_ablation_checkpoint_and_a_card_for_one(tiny_checkpoint, tmp_path):
+    from typer.testing import CliRunner
+
+    from bench.cli import app
+
+    base = ["distill-eval", "--model", "ds-tiny", "--model-path", str(tiny_checkpoint)]
+    res = CliRunner().invoke(app, [*base, "--draft-experts", str(tmp_path / "nope.safetensors")])
+    assert res.exit_code == 2 and "nope.safetensors" in res.output and "bench distill --out" in res.output, res.output
+    real = tmp_path / "ablation.safetensors"
+    real.write_bytes(b"")
+    res = CliRunner().invoke(app, [*base, "--draft-experts", str(real), "--card"])
+    assert res.exit_code == 2 and "--card" in res.output, res.output
