@@ -182,3 +182,14 @@ def test_resumable_state_is_keyed_by_the_target_weights(tmp_path):
     assert here == state_dir("ds-tiny", tmp_path / "a", cfg, "transformers", "mn", "q4_0")
     assert here != state_dir("ds-tiny", tmp_path / "b", cfg, "transformers", "mn", "q4_0")
     assert here != state_dir("ds-tiny", tmp_path / "a", DistillConfig(preset="full", intermediate=16), "transformers", "mn", "q4_0")
+
+
+def test_bench_distill_defaults_are_the_trainers():
+    """The CLI keeps its own copy of the defaults (it must not import torch to start); they must not drift."""
+    import inspect
+
+    from bench.cli import distill_cmd
+
+    params = inspect.signature(distill_cmd).parameters
+    for name in ("steps", "batch_size", "seq_len", "lr", "alpha", "beta", "eta"):
+        assert params[name].default == getattr(DistillConfig, name), name
