@@ -62,6 +62,10 @@ DeviceOpt = Annotated[str | None, typer.Option("--device", help="cg: cuda (defau
                                                "(the CPU as the accelerator, recorded so)")]
 DtypeOpt = Annotated[str, typer.Option("--dtype", help="torch engine's compute: fp32 (speculation exact) | bf16 (the "
                                        "paper's; a near-tie may flip); experts move in the checkpoint's dtype")]
+KernelOpt = Annotated[str, typer.Option("--expert-kernel", help="torch engine, Q4_0 experts on a CPU: auto (ggml where "
+                                         "it applies) | ggml (computed on the Q4_0 blocks by ggml's kernels, as "
+                                         "llama.cpp does) | dequant (dequantised to the compute dtype first: the "
+                                         "ablation)")]
 CompileOpt = Annotated[bool, typer.Option("--compile", help="torch.compile the one-token decode step (static shapes; "
                                           "~20 s of compilation the first time).")]
 REPO_ROOT = registry.REPO_ROOT
@@ -511,13 +515,14 @@ def _check_applicable(ctx: typer.Context, method: str, platform: str, engine: st
         _refuse_flags(ctx, ["r"], "to --method draftexpert (its drafter is shared + top-1 + the draft expert)")
     if method == "reference":
         why = "to --method reference (transformers' greedy decoding, every weight resident)"
-        _refuse_flags(ctx, ["temperature", "engine", "read_bw", "compile", "device", "dtype", "working_set"], why)
+        _refuse_flags(ctx, ["temperature", "engine", "read_bw", "compile", "device", "dtype", "working_set",
+                            "expert_kernel"], why)
         _refuse_flags(ctx, ["platform", "expert_type", "cache_experts", "staging_budget", "staging", "seed"], why, warn=True)
         return
     if platform != "cg":
         _refuse_flags(ctx, ["device"], f"to --platform {platform} (it runs on the CPU here; cg is the GPU platform)")
     if engine == "llama.cpp":
-        _refuse_flags(ctx, ["dtype"], "to --engine llama.cpp (it computes in the expert file's types)")
+        _refuse_flags(ctx, ["dtype", "expert_kernel"], "to --engine llama.cpp (it computes in the expert file's types)")
     if platform != "mn":
         _refuse_flags(ctx, ["read_bw"], f"to --platform {platform} (nothing is read from storage)")
         _refuse_flags(ctx, ["staging_budget"], f"to --platform {platform} (nothing is read from storage)", warn=True)
@@ -563,7 +568,7 @@ def run(ctx: typer.Context, model: ModelOpt = "ds-tiny", model_path: ModelPathOp
         draft_experts: DraftExpertsOpt = None, compile: CompileOpt = False, engine: EngineOpt = "torch",
         staging: StagingOpt = "demand", read_bw: ReadBwOpt = None, context_overflow: OverflowOpt = "skip",
         device: DeviceOpt = None, dtype: DtypeOpt = "fp32", working_set: WorkingSetOpt = None,
-        as_json: JsonOpt = False):
+        expert_kernel: KernelOpt = "auto", as_json: JsonOpt = False):
     """Decode the prompt suites with one method; one record per prompt, resumable.
 
     `ar`: autoregressive decoding on the expert-offload runtime (the paper's baseline; every
@@ -609,7 +614,7 @@ def run(ctx: typer.Context, model: ModelOpt = "ds-tiny", model_path: ModelPathOp
                                                temperature=temperature, seed=seed, max_new_tokens=max_new_tokens,
                                                expert_file=lambda qt: expert_file(model, folder, qt), spec=spec,
                                                compile=compile, engine=engine, staging=staging, device=device,
-                                               dtype=dtype, working_set=ws)
+                                               dtype=dtype, working_set=ws, expert_kernel=expert_kernel)
         machine = _machine()
         if rate:
             cfg.method_args["read_bw"] = rate  # a capped cell is another cell
@@ -645,6 +650,7 @@ def compare(model: ModelOpt = "ds-tiny", model_path: ModelPathOpt = None,
             draft_experts: DraftExpertsOpt = None, threads: ThreadsOpt = None, compile: CompileOpt = False,
             engine: EngineOpt = "torch", staging: StagingOpt = "demand", read_bw: ReadBwOpt = None,
             device: DeviceOpt = None, dtype: DtypeOpt = "fp32", working_set: WorkingSetOpt = None,
+            expert_kernel: KernelOpt = "auto",
             caps: Annotated[list[str] | None, typer.Option("--cap", help="--set regime: the read caps to sweep "
                                                            "(default 16…512 MB/s and uncapped; 'none' = uncapped)")] = None,
             out: OutOpt = None, as_json: JsonOpt = False):
@@ -677,7 +683,8 @@ def compare(model: ModelOpt = "ds-tiny", model_path: ModelPathOpt = None,
                           lambda qt: expert_file(model, folder, qt), _machine(),
                           labels=method, log=log, compile=compile, method_set=method_set, engine=engine,
                           staging=staging, read_bw=rate, caps=cap_list, device=device, dtype=dtype,
-                          working_set=_bytes(working_set, "--working-set") if working_set else 0)
+                          working_set=_bytes(working_set, "--working-set") if working_set else 0,
+                          expert_kernel=expert_kernel)
     if method_set == "regime":
         from paper_figs.regime import table as regime_table
 

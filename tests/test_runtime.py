@@ -475,3 +475,62 @@ def test_a_bounded_round_counts_its_loads_in_flight(checkpoint, store):
     layer = min(model.cfg.n_experts, 5 * model.cfg.top_k) * one
     assert held and max(held) <= s.working_set_bytes + layer, (max(held) / one, len(held))
     assert s.peak_block_bytes <= s.working_set_bytes
+
+
+def _q4_0_expert(H: int, I: int, seed: int = 0):
+    """A random Q4_0 expert as the ggml kernel takes it (uint8 rows of blocks) and dequantised (fp32)."""
+    import numpy as np
+
+    from draftexpert.runtime.gguf_experts import decode
+
+    rng = np.random.default_rng(seed)
+
+    def matrix(rows, cols):
+        nb = rows * cols // 32
+        raw = np.zeros((nb, 18), np.uint8)
+        raw[:, :2] = np.frombuffer(np.float16(rng.standard_normal(nb) * 0.05).tobytes(), np.uint8).reshape(nb, 2)
+        raw[:, 2:] = rng.integers(0, 256, (nb, 16))
+        raw = raw.reshape(rows, cols // 32 * 18)
+        return torch.from_numpy(raw), decode(bytearray(raw.tobytes()), 0, raw.size, "q4_0", (rows, cols), "cpu", torch.float32)
+
+    (gu, gu_f), (dn, dn_f) = matrix(2 * I, H), matrix(H, I)
+    return gu, dn, gu_f, dn_f
+
+
+def test_ggml_expert_kernel_is_row_invariant_and_close_to_the_dequantised_mlp():
+    """Each output row is what that row alone gives (one row or a block, one thread or several: verify =
+    one-token steps), and within Q8_0 activation rounding of the fp32 MLP of the dequantised weights."""
+    import torch.nn.functional as F
+
+    from draftexpert.runtime.ggml_kernel import expert_mlp
+
+    H, I = 64, 32
+    gu, dn, gu_f, dn_f = _q4_0_expert(H, I)
+    x = torch.randn(40, H, generator=torch.Generator().manual_seed(0))
+    y = expert_mlp(x, gu, dn)
+    assert torch.equal(torch.cat([expert_mlp(x[i:i + 1], gu, dn) for i in range(40)]), y)
+    assert torch.equal(expert_mlp(x[:5], gu, dn), y[:5])
+    g, u = F.linear(x, gu_f).chunk(2, dim=-1)
+    want = F.linear(F.silu(g) * u, dn_f)
+    err = ((y - want).norm() / want.norm()).item()
+    assert 0 < err < 0.03  # Q8_0 rounding of the activations: near, never identical
+    assert expert_mlp(x.double(), gu, dn).dtype == torch.float64
+
+
+def test_ggml_expert_kernel_refusals():
+    """No backward (distillation keeps the dequantising kernel), Q4_0 on a CPU only, no torch.compile."""
+    from draftexpert.runtime.ggml_kernel import KernelError, expert_mlp, resolve_kernel
+
+    gu, dn, _, _ = _q4_0_expert(64, 32)
+    with pytest.raises(KernelError, match="no backward"):
+        expert_mlp(torch.randn(1, 64, requires_grad=True), gu, dn)
+    with pytest.raises(KernelError, match="Q4_0 experts on the CPU"):
+        resolve_kernel("ggml", "bf16", "cpu")
+    with pytest.raises(KernelError, match="Q4_0 experts on the CPU"):
+        resolve_kernel("ggml", "q4_0", "cuda")
+    with pytest.raises(KernelError, match="do not combine"):
+        resolve_kernel("ggml", "q4_0", "cpu", compiled=True)
+    with pytest.raises(KernelError, match="is not one of"):
+        resolve_kernel("fast", "q4_0", "cpu")
+    assert resolve_kernel("auto", "q4_0", "cpu") == "ggml"
+    assert resolve_kernel("auto", "q4_0", "cpu", compiled=True) == resolve_kernel("auto", "bf16", "cpu") == "dequant"

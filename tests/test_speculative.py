@@ -286,3 +286,47 @@ def test_speculative_sampling_matches_the_target_distribution():
     expected = [exact[c] * N for c in cells]
     assert chi2_p([counts[c] for c in cells], expected) > 1e-3
     assert chi2_p([draft_only[c] for c in cells], expected) < 1e-6
+
+
+@pytest.fixture(scope="module", params=["v2", "v3"])
+def ggml_models(request, odirect_dir):
+    """{flash, resident} lean models over one random checkpoint's Q4_0 experts, computed by ggml's kernels
+    on the Q4_0 blocks (`--expert-kernel ggml`); the rest of the model in float64."""
+    hf = hf_model(request.param)
+    folder = odirect_dir / f"{request.param}-q4"
+    hf.save_pretrained(folder)
+    gguf = convert_experts(folder, odirect_dir / f"{request.param}-q4.gguf", "q4_0")
+    out = {s: build_model(folder, s, dtype=torch.float64, gguf_path=gguf, kernel="ggml") for s in ("flash", "resident")}
+    out["folder"] = folder
+    yield out
+    out.pop("folder")
+    for m in out.values():
+        m.experts.close()
+
+
+@pytest.mark.parametrize("name", DRAFTERS)
+def test_ggml_expert_kernel_is_exact(ggml_models, name):
+    """Experts computed on their Q4_0 blocks: a verify block computes what one-token steps do, so every
+    drafter's tokens equal AR's, on the flash store and on the resident bound (which decode the same)."""
+    flash, resident = ggml_models["flash"], ggml_models["resident"]
+    assert flash.experts.kernel == "ggml" and all(t.dtype == torch.uint8 for t in resident.experts.gate_up.values())
+    for seed in (0, 1):
+        ids = prompt(seed, 9)
+        ref = ar_tokens(flash, ids)
+        assert ar_tokens(resident, ids) == ref
+        for model in (flash, resident):
+            for k, truncate, prefetch in ((4, False, False), (8, True, True), (2, True, False)):
+                cfg = SpecConfig(k_max=k, truncate=truncate, prefetch=prefetch, tau=0.9, budget=2)
+                assert speculative(model, drafter(model, name), cfg).generate(ids, 24).tokens == ref, (name, k)
+
+
+def test_ggml_expert_kernel_refuses_what_it_cannot_compute(ggml_models, odirect_dir):
+    """Only Q4_0 experts (an f32 file is refused before loading), and no torch.compile of its C call."""
+    from draftexpert.runtime.ggml_kernel import KernelError
+
+    folder = ggml_models["folder"]
+    f32 = convert_experts(folder, odirect_dir / f"{folder.name}-f32.gguf", "f32")
+    with pytest.raises(KernelError, match="f32 experts"):
+        build_model(folder, "flash", gguf_path=f32, kernel="ggml")
+    with pytest.raises(ValueError, match="do not combine"):
+        ggml_models["flash"].compile_decode()

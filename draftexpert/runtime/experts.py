@@ -249,8 +249,10 @@ class ResidentStore(ExpertStore):
 
     def __init__(self, gate_up: dict[int, torch.Tensor], down: dict[int, torch.Tensor], **kw):
         super().__init__(**kw)
-        self.gate_up = {k: v.to(self.device, self.dtype) for k, v in gate_up.items()}  # layer → [E, 2I, H]
-        self.down = {k: v.to(self.device, self.dtype) for k, v in down.items()}  # layer → [E, H, I]
+        # layer → [E, 2I, H] and [E, H, I]; uint8 [E, 2I, H/32·18], [E, H, I/32·18]: Q4_0 bytes for the ggml kernel
+        cast = lambda v: v.to(self.device) if v.dtype == torch.uint8 else v.to(self.device, self.dtype)  # noqa: E731
+        self.gate_up = {k: cast(v) for k, v in gate_up.items()}
+        self.down = {k: cast(v) for k, v in down.items()}
         for layer in self.gate_up:
             for e in range(self.gate_up[layer].shape[0]):
                 self.cache[(layer, e)] = (self.gate_up[layer][e], self.down[layer][e])
@@ -388,12 +390,13 @@ class FlashStore(ExpertStore):
     name = "flash"
 
     def __init__(self, path: Path, io_threads: int = 6, staging_budget_bytes: int = 0, staging: str = "demand",
-                 **kw):
+                 kernel: str = "dequant", **kw):
         from draftexpert.runtime.gguf_experts import ExpertFile
 
         if staging not in STAGING:
             raise ValueError(f"--staging: {staging!r} is not one of {', '.join(STAGING)}")
         super().__init__(**kw)
+        self.kernel = kernel  # "ggml": experts handed over as their Q4_0 bytes (`ggml_kernel`), not dequantised
         odirect = staging == "odirect"
         # a staging buffer per read in flight: the readers' (odirect), or the forward's one read at a time
         self.file = ExpertFile(Path(path), staging_buffers=io_threads if odirect else 1, direct=odirect)
@@ -418,6 +421,9 @@ class FlashStore(ExpertStore):
         else:
             raw = self.file.read_expert(*key) if self.pool is not None else self.file.read_expert_cached(*key)
         keep = self.file.stage_copy(raw) if self.budget > 0 and staged is None else None
+        if self.kernel == "ggml":
+            out = None if self.buffers is None else self.buffers.take((self.file.expert_nbytes(key[0]),), torch.uint8)
+            return self.file.quantized(raw, out=out), keep
         out = None if self.buffers is None else self.buffers.take((self.file.expert_numel(key[0]),), self.dtype)
         return self.file.dequantize(raw, self.device, self.dtype, out=out), keep
 

@@ -401,6 +401,31 @@ class ExpertFile:
             self.release(raw)
         return out[:n_gu].view(gu_rows, cols), out[n_gu:].view(down_shape)
 
+    def raw_shapes(self, layer: int) -> tuple[tuple[int, int], tuple[int, int]]:
+        """Shapes of `quantized`'s pair: one row of file bytes per matrix row."""
+        (gu_rows, _), (dn_rows, _) = self.expert_shapes(layer)
+        g, d = self.slices[(layer, "gate")], self.slices[(layer, "down")]
+        return (gu_rows, g.nbytes // g.shape[0]), (dn_rows, d.nbytes // d.shape[0])
+
+    def quantized(self, raw: RawExpert, out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up, down) as the file's Q4_0 bytes, uint8 [2I, H/32·18] and [H, I/32·18] (views of
+        one flat tensor, new or `out` of `expert_nbytes` bytes) — what the ggml expert kernel
+        computes on; returns a pooled buffer to the pool."""
+        g, u, d = (self.slices[(raw.layer, p)] for p in PARTS)
+        if g.qtype != "q4_0":
+            raise ExpertFileError(f"{self.path}: the ggml expert kernel takes Q4_0 experts, this file holds {g.qtype}")
+        (gu_shape, dn_shape), n = self.raw_shapes(raw.layer), g.nbytes + u.nbytes + d.nbytes
+        if out is None:
+            out = torch.empty(n, dtype=torch.uint8)
+        try:
+            at = 0
+            for part, off in zip((g, u, d), raw.offsets):
+                out[at:at + part.nbytes].copy_(torch.frombuffer(raw.buf, dtype=torch.uint8, count=part.nbytes, offset=off))
+                at += part.nbytes
+        finally:
+            self.release(raw)
+        return out[:g.nbytes + u.nbytes].view(gu_shape), out[g.nbytes + u.nbytes:].view(dn_shape)
+
     def close(self):
         for fd in (self.fd, self.fd_cached):
             if fd >= 0:

@@ -150,14 +150,16 @@ def fill_host_pool(ckpt: Checkpoint, hf_config, dtype: torch.dtype):
     return pool
 
 
-def expert_file_layers(path: Path, device, dtype) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
-    """(layer, gate_up [E, 2I, H], down [E, H, I]) of a GGUF expert file, dequantised, a layer at a time."""
+def expert_file_layers(path: Path, device, dtype, kernel: str = "dequant") -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+    """(layer, gate_up [E, 2I, H], down [E, H, I]) of a GGUF expert file, dequantised, a layer at a
+    time (kernel "ggml": the Q4_0 bytes, uint8 [E, 2I, H/32·18] and [E, H, I/32·18])."""
     from draftexpert.runtime.gguf_experts import ExpertFile
 
     f = ExpertFile(Path(path), staging_buffers=1)
+    take = (lambda raw: f.quantized(raw)) if kernel == "ggml" else (lambda raw: f.dequantize(raw, device, dtype))
     try:
         for layer in f.layers:
-            pairs = [f.dequantize(f.read_expert(layer, e), device, dtype) for e in range(f.slices[(layer, 'gate')].n_experts)]
+            pairs = [take(f.read_expert(layer, e)) for e in range(f.slices[(layer, 'gate')].n_experts)]
             yield layer, torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
     finally:
         f.close()
@@ -183,12 +185,23 @@ def convert_experts(folder: Path, out: Path, qtype: str = "q4_0") -> Path:
 def build_model(folder: Path, store: str = "resident", device: str = "cpu", dtype: torch.dtype = torch.float32,
                 gguf_path: Path | None = None, cache_experts: int = 0, staging_budget_bytes: int = 0,
                 io_threads: int = 6, ledger: Ledger | None = None, working_set_bytes: int = 0,
-                staging: str = "demand") -> MoEModel:
+                staging: str = "demand", kernel: str = "dequant") -> MoEModel:
     """A lean model over `store` ∈ {resident, host, flash}; flash reads `gguf_path` (see
     `convert_experts`); resident with a `gguf_path` holds that file's experts, dequantised (the
     resident upper bound of a quantised mn run: the same model, nothing moved). `working_set_bytes`
     bounds what a round keeps on the accelerator (offload stores; 0: unbounded); `staging` how the
-    flash store reads (`experts.STAGING`)."""
+    flash store reads (`experts.STAGING`); `kernel` how the experts of a Q4_0 file compute on a
+    CPU (`ggml_kernel.KERNELS`: "ggml" keeps them as their Q4_0 blocks)."""
+    from draftexpert.runtime.ggml_kernel import check_kernel
+
+    if kernel != "dequant":
+        if gguf_path is None or store not in ("flash", "resident"):
+            raise ValueError("--expert-kernel ggml computes the experts of a Q4_0 expert file (platform mn, or "
+                             "resident from the file)")
+        from draftexpert.runtime.gguf_experts import ExpertFile
+
+        check_kernel(kernel, ExpertFile(Path(gguf_path), staging_buffers=0).slices[
+            (load_config(folder).first_k_dense_replace, "gate")].qtype, device)
     cfg = load_config(folder)
     ckpt = Checkpoint(folder)
     weights = non_routed_weights(ckpt, device, dtype)
@@ -199,15 +212,15 @@ def build_model(folder: Path, store: str = "resident", device: str = "cpu", dtyp
         if gguf_path is None:
             raise CheckpointError("the flash store needs a GGUF expert file (bench convert writes it)")
         experts = FlashStore(gguf_path, io_threads=io_threads, staging_budget_bytes=staging_budget_bytes,
-                             staging=staging, **offload)
+                             staging=staging, kernel=kernel, **offload)
     elif store == "host":
         pool = fill_host_pool(ckpt, cfg, pool_dtype(ckpt, cfg, dtype))
         experts = HostStore(pool.gate_up, pool.down, pool=pool, **offload)
     elif store == "resident":
         gate_up, down = {}, {}
-        layers = expert_file_layers(gguf_path, device, dtype) if gguf_path else routed_experts(ckpt, cfg)
+        layers = expert_file_layers(gguf_path, device, dtype, kernel) if gguf_path else routed_experts(ckpt, cfg)
         for layer, gu, dn in layers:
-            gate_up[layer], down[layer] = gu.to(dtype), dn.to(dtype)
+            gate_up[layer], down[layer] = (gu, dn) if kernel == "ggml" else (gu.to(dtype), dn.to(dtype))
         experts = ResidentStore(gate_up, down, **kw)
     else:
         raise ValueError(f"unknown expert store {store!r}; choose resident, host or flash")

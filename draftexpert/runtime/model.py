@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from draftexpert.runtime.experts import ExpertStore, ResidentStore
+from draftexpert.runtime.ggml_kernel import expert_mlp
 
 
 @dataclass(frozen=True)
@@ -256,6 +257,8 @@ class MoEModel:
 
     @staticmethod
     def mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+        if gate_up.dtype == torch.uint8:  # an expert kept as its Q4_0 blocks (`--expert-kernel ggml`)
+            return expert_mlp(x, gate_up, down)
         g, u = F.linear(x, gate_up).chunk(2, dim=-1)
         return F.linear(F.silu(g) * u, down)
 
@@ -385,6 +388,10 @@ class MoEModel:
                 x = x + self.mlp(h, *shared[i]) + self.routed_indexed(h, w[0, :r], idx[0, :r], gate_ups[i], downs[i])
             return self.head(x), routing
 
+        if getattr(self.experts, "kernel", "dequant") == "ggml" or any(
+                t.dtype == torch.uint8 for t in getattr(self.experts, "gate_up", {}).values()):
+            raise ValueError("--compile and --expert-kernel ggml do not combine: the ggml kernel is a C call "
+                             "torch.compile cannot trace; use one or the other")
         compile_ = lambda f: torch.compile(f, dynamic=False)  # noqa: E731
         self._compiled = {"pre_ffn": compile_(self.pre_ffn), "mix": compile_(self.mix), "head": compile_(self.head)}
         if isinstance(self.experts, ResidentStore):  # nothing moves: one graph per step, no store round trip

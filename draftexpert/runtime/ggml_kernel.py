@@ -1,0 +1,177 @@
+"""Routed experts computed on their Q4_0 blocks by ggml's CPU kernels — llama.cpp's own (the input
+quantised to Q8_0 per row, SIMD q4_0 · q8_0 dot products) — instead of dequantising every loaded
+expert to fp32 first and multiplying that.
+
+Why (ds-tiny, one expert of 98,304 weights, this VM, 1 thread): dequantising in place after the read
+costs ~140 µs (ggml's scalar `dequantize_row_q4_0`) and the two fp32 matmuls ~40 µs more, while
+the whole expert MLP on the blocks costs ~12 µs plus ~15 µs of Python/ctypes around it. A
+decoded token runs 30 experts.
+
+An expert in this form is the pair of raw Q4_0 matrices as uint8 tensors, the file's bytes
+unchanged: gate_up [2I, H/32·18] (gate rows, then up rows) and down [H, I/32·18]. `expert_mlp`
+is `MoEModel.mlp` for such a pair.
+
+Batch-invariant: each output element is one dot product of one weight row with one input row
+(each input row quantised to Q8_0 on its own), whatever the number of rows — a verify block computes
+what one-token steps compute, so speculative decoding stays exact (llama.cpp built without
+llamafile's sgemm, as the Makefile builds it; `tests/test_runtime.py` checks row by row).
+No autograd: distillation through the runtime (`RuntimeTeacher`) uses the dequantising kernel.
+"""
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+from pathlib import Path
+
+import torch
+
+KERNELS = ("dequant", "ggml")  # `--expert-kernel`: how the torch engine computes a Q4_0 expert on a CPU
+GGML_F32, GGML_Q4_0 = 0, 2  # enum ggml_type
+Q4_0_BLOCK, Q4_0_BYTES = 32, 18  # weights per block, bytes per block (fp16 scale + 16 bytes of nibbles)
+
+
+class KernelError(ValueError):
+    """The ggml kernel cannot run here (no llama-cpp-python build, or an expert it does not take)."""
+
+
+class _InitParams(ctypes.Structure):
+    _fields_ = [("mem_size", ctypes.c_size_t), ("mem_buffer", ctypes.c_void_p), ("no_alloc", ctypes.c_bool)]
+
+
+def _libs():
+    spec = importlib.util.find_spec("llama_cpp")
+    if spec is None or spec.origin is None:
+        raise KernelError("--expert-kernel ggml needs llama-cpp-python (ggml's CPU kernels): `make install` "
+                          "builds it, or use --expert-kernel dequant")
+    lib = Path(spec.origin).parent / "lib"
+    try:
+        base, cpu = ctypes.CDLL(str(lib / "libggml-base.so")), ctypes.CDLL(str(lib / "libggml-cpu.so"))
+    except OSError as e:
+        raise KernelError(f"ggml's libraries in {lib} did not load ({e}); use --expert-kernel dequant") from e
+    vp, i64 = ctypes.c_void_p, ctypes.c_int64
+    for name, args, res in [("ggml_init", [_InitParams], vp), ("ggml_free", [vp], None),
+                            ("ggml_new_tensor_2d", [vp, ctypes.c_int, i64, i64], vp),
+                            ("ggml_mul_mat", [vp, vp, vp], vp), ("ggml_swiglu", [vp, vp], vp),
+                            ("ggml_get_data", [vp], vp), ("ggml_new_graph_custom", [vp, ctypes.c_size_t, ctypes.c_bool], vp),
+                            ("ggml_build_forward_expand", [vp, vp], None)]:
+        f = getattr(base, name)
+        f.argtypes, f.restype = args, res
+    cpu.ggml_graph_compute_with_ctx.argtypes, cpu.ggml_graph_compute_with_ctx.restype = [vp, vp, ctypes.c_int], ctypes.c_int
+    cpu.ggml_cpu_init.argtypes, cpu.ggml_cpu_init.restype = [], None
+    cpu.ggml_cpu_init()
+    return base, cpu
+
+
+class _Ggml:
+    """ggml contexts over Python-owned arenas (nothing allocated by ggml itself): one-row calls
+    (decoding) reuse a graph built once per expert shape; a call of n rows builds its own in a
+    reused arena. The Q8_0 work buffer of each compute lives in a scratch context freed after it."""
+
+    def __init__(self):
+        self.base, self.cpu = _libs()
+        self.arena = ctypes.create_string_buffer(1 << 20)
+        self.scratch = ctypes.create_string_buffer(64 << 10)
+        # (H, 2I, H_out) → (arena, ctx, graph, data of GU, D, X, y)
+        self.one_row: dict[tuple[int, int, int], tuple] = {}
+
+    def _graph(self, arena, n: int, H: int, I2: int, H_out: int):
+        b = self.base
+        ctx = b.ggml_init(_InitParams(len(arena), ctypes.addressof(arena), False))
+        GU = b.ggml_new_tensor_2d(ctx, GGML_Q4_0, H, I2)  # ggml order: ne0 = the row length
+        D = b.ggml_new_tensor_2d(ctx, GGML_Q4_0, I2 // 2, H_out)
+        X = b.ggml_new_tensor_2d(ctx, GGML_F32, H, n)
+        y = b.ggml_mul_mat(ctx, D, b.ggml_swiglu(ctx, b.ggml_mul_mat(ctx, GU, X)))  # [n, H_out]
+        graph = b.ggml_new_graph_custom(ctx, 8, False)
+        b.ggml_build_forward_expand(graph, y)
+        return ctx, graph, *(b.ggml_get_data(t) for t in (GU, D, X, y))
+
+    def _compute(self, graph, threads: int, work: int) -> None:
+        if work > len(self.scratch):
+            self.scratch = ctypes.create_string_buffer(max(work, 2 * len(self.scratch)))
+        tmp = self.base.ggml_init(_InitParams(len(self.scratch), ctypes.addressof(self.scratch), False))
+        try:
+            if self.cpu.ggml_graph_compute_with_ctx(tmp, graph, threads) != 0:
+                raise KernelError("ggml_graph_compute failed")
+        finally:
+            self.base.ggml_free(tmp)
+
+    def mlp(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+        """x [n, H] fp32 → down · swiglu(gate_up · x) [n, H] on the Q4_0 pair (uint8 rows)."""
+        b = self.base
+        n, H = x.shape
+        I2, H_out = gate_up.shape[0], down.shape[0]
+        if gate_up.shape[1] * Q4_0_BLOCK != H * Q4_0_BYTES or down.shape[1] * Q4_0_BLOCK * 2 != I2 * Q4_0_BYTES:
+            raise KernelError(f"not a Q4_0 expert for hidden {H}: gate_up {tuple(gate_up.shape)}, down {tuple(down.shape)}")
+        x = x.detach().to(torch.float32).contiguous()
+        gate_up, down = gate_up.contiguous(), down.contiguous()
+        # weights, input, gate_up · x, swiglu, output, tensor and graph headers
+        need = gate_up.numel() + down.numel() + 4 * n * (H + I2 + I2 // 2 + H_out) + (32 << 10)
+        work = 2 * n * (H + I2) + (8 << 10)  # the Q8_0 copies of x and of the activation
+        if n == 1:
+            key = (H, I2, H_out)
+            if key not in self.one_row:
+                arena = ctypes.create_string_buffer(need)
+                self.one_row[key] = (arena, *self._graph(arena, 1, H, I2, H_out))
+            _, ctx, graph, gu_at, d_at, x_at, y_at = self.one_row[key]
+        else:
+            if need > len(self.arena):
+                self.arena = ctypes.create_string_buffer(max(need, 2 * len(self.arena)))
+            ctx, graph, gu_at, d_at, x_at, y_at = self._graph(self.arena, n, H, I2, H_out)
+        try:
+            ctypes.memmove(gu_at, gate_up.data_ptr(), gate_up.numel())
+            ctypes.memmove(d_at, down.data_ptr(), down.numel())
+            ctypes.memmove(x_at, x.data_ptr(), 4 * n * H)
+            self._compute(graph, 1 if n < 16 else torch.get_num_threads(), work)  # a thread pool per call: not for a few rows
+            out = torch.empty(n, H_out, dtype=torch.float32)
+            ctypes.memmove(out.data_ptr(), y_at, 4 * n * H_out)
+        finally:
+            if n != 1:
+                b.ggml_free(ctx)
+        return out
+
+
+_KERNEL: _Ggml | None = None
+
+
+def expert_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """`MoEModel.mlp` for an expert held as raw Q4_0 (x [n, H] → [n, H], in x's dtype)."""
+    global _KERNEL
+    if x.requires_grad:
+        raise KernelError("the ggml expert kernel has no backward: distil through the runtime with "
+                          "--expert-kernel dequant")
+    if x.device.type != "cpu":
+        raise KernelError(f"the ggml expert kernel runs on the CPU, not {x.device}")
+    if _KERNEL is None:
+        _KERNEL = _Ggml()
+    return _KERNEL.mlp(x, gate_up, down).to(x.dtype)
+
+
+def check_kernel(kernel: str, expert_type: str | None, device: str) -> None:
+    """Refuse a kernel that does not apply: ggml takes Q4_0 experts on a CPU accelerator."""
+    if kernel not in KERNELS:
+        raise KernelError(f"--expert-kernel: {kernel!r} is not one of {', '.join(KERNELS)}")
+    if kernel == "ggml" and (expert_type != "q4_0" or torch.device(device).type != "cpu"):
+        raise KernelError(f"--expert-kernel ggml computes Q4_0 experts on the CPU (here: "
+                          f"{expert_type or 'the checkpoint'} experts on {device}); use --expert-kernel dequant")
+
+
+def available() -> bool:
+    try:
+        _libs()
+    except KernelError:
+        return False
+    return True
+
+
+def resolve_kernel(kernel: str, expert_type: str | None, device: str, compiled: bool = False) -> str:
+    """`--expert-kernel` → the kernel a torch run uses. "auto": ggml for Q4_0 experts from a file on a
+    CPU accelerator (where it applies and llama-cpp-python is installed; not with --compile), else
+    dequant. An explicit choice that does not apply is refused."""
+    if kernel == "auto":
+        use = expert_type == "q4_0" and torch.device(device).type == "cpu" and not compiled and available()
+        return "ggml" if use else "dequant"
+    check_kernel(kernel, expert_type, device)
+    if kernel == "ggml" and compiled:
+        raise KernelError("--compile and --expert-kernel ggml do not combine (torch.compile cannot trace the C "
+                          "call); drop one")
+    return kernel
