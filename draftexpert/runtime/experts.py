@@ -392,6 +392,7 @@ class FlashStore(ExpertStore):
     def __init__(self, path: Path, io_threads: int = 6, staging_budget_bytes: int = 0, staging: str = "demand",
                  kernel: str = "dequant", **kw):
         from draftexpert.runtime.gguf_experts import ExpertFile
+        from draftexpert.runtime.ggml_kernel import check_kernel
 
         if staging not in STAGING:
             raise ValueError(f"--staging: {staging!r} is not one of {', '.join(STAGING)}")
@@ -400,6 +401,8 @@ class FlashStore(ExpertStore):
         odirect = staging == "odirect"
         # a staging buffer per read in flight: the readers' (odirect), or the forward's one read at a time
         self.file = ExpertFile(Path(path), staging_buffers=io_threads if odirect else 1, direct=odirect)
+        if kernel != "dequant":
+            check_kernel(kernel, self.file.qtype, self.device)
         self.pool = ThreadPoolExecutor(io_threads, thread_name_prefix="odirect") if odirect else None
         self.budget = staging_budget_bytes
         self.staged: OrderedDict[Key, bytes] = OrderedDict()  # raw file bytes kept in DRAM

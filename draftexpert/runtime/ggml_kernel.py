@@ -20,6 +20,7 @@ No autograd: distillation through the runtime (`RuntimeTeacher`) uses the dequan
 from __future__ import annotations
 
 import ctypes
+import functools
 import importlib.util
 from pathlib import Path
 
@@ -38,14 +39,24 @@ class _InitParams(ctypes.Structure):
     _fields_ = [("mem_size", ctypes.c_size_t), ("mem_buffer", ctypes.c_void_p), ("no_alloc", ctypes.c_bool)]
 
 
-def _libs():
+def ggml_library(name: str) -> Path | None:
+    """The path of ggml library `name` (e.g. "ggml-base") shipped in the llama-cpp-python package, or None."""
     spec = importlib.util.find_spec("llama_cpp")
     if spec is None or spec.origin is None:
+        return None
+    lib = Path(spec.origin).parent / "lib"
+    return next((p for p in (lib / f"lib{name}.so", lib / f"lib{name}.dylib", lib / f"{name}.dll") if p.exists()), None)
+
+
+@functools.cache  # loaded and initialised once per process (a failure is not cached: it raises)
+def _libs():
+    paths = ggml_library("ggml-base"), ggml_library("ggml-cpu")
+    if None in paths:
         raise KernelError("--expert-kernel ggml needs llama-cpp-python (ggml's CPU kernels): `make install` "
                           "builds it, or use --expert-kernel dequant")
-    lib = Path(spec.origin).parent / "lib"
+    lib = paths[0].parent
     try:
-        base, cpu = ctypes.CDLL(str(lib / "libggml-base.so")), ctypes.CDLL(str(lib / "libggml-cpu.so"))
+        base, cpu = (ctypes.CDLL(str(p)) for p in paths)
     except OSError as e:
         raise KernelError(f"ggml's libraries in {lib} did not load ({e}); use --expert-kernel dequant") from e
     vp, i64 = ctypes.c_void_p, ctypes.c_int64
@@ -105,17 +116,17 @@ class _Ggml:
         x = x.detach().to(torch.float32).contiguous()
         gate_up, down = gate_up.contiguous(), down.contiguous()
         # weights, input, gate_up · x, swiglu, output, tensor and graph headers
-        need = gate_up.numel() + down.numel() + 4 * n * (H + I2 + I2 // 2 + H_out) + (32 << 10)
+        need = lambda: gate_up.numel() + down.numel() + 4 * n * (H + I2 + I2 // 2 + H_out) + (32 << 10)  # noqa: E731
         work = 2 * n * (H + I2) + (8 << 10)  # the Q8_0 copies of x and of the activation
         if n == 1:
             key = (H, I2, H_out)
             if key not in self.one_row:
-                arena = ctypes.create_string_buffer(need)
+                arena = ctypes.create_string_buffer(need())
                 self.one_row[key] = (arena, *self._graph(arena, 1, H, I2, H_out))
             _, ctx, graph, gu_at, d_at, x_at, y_at = self.one_row[key]
         else:
-            if need > len(self.arena):
-                self.arena = ctypes.create_string_buffer(max(need, 2 * len(self.arena)))
+            if need() > len(self.arena):
+                self.arena = ctypes.create_string_buffer(max(need(), 2 * len(self.arena)))
             ctx, graph, gu_at, d_at, x_at, y_at = self._graph(self.arena, n, H, I2, H_out)
         try:
             ctypes.memmove(gu_at, gate_up.data_ptr(), gate_up.numel())

@@ -270,6 +270,7 @@ class ExpertFile:
             self.slices[(layer, part)] = _Slice(t.data_offset, t.n_bytes // n_exp, (rows, cols), names[t.tensor_type], n_exp)
         if not self.slices:
             raise ExpertFileError(f"{self.path}: holds no routed-expert tensors (blk.N.ffn_*_exps.weight)")
+        self.qtype = next(iter(self.slices.values())).qtype  # the experts' type (the writer gives every slice one)
         self.layers = sorted({layer for layer, _ in self.slices})
         for layer in self.layers:
             missing = [p for p in PARTS if (layer, p) not in self.slices]
@@ -436,18 +437,15 @@ class ExpertFile:
 def _ggml_q4_0():
     """ggml's `dequantize_row_q4_0(src, dst, n)` from the llama-cpp-python package, or None."""
     import ctypes
-    import importlib.util
 
-    spec = importlib.util.find_spec("llama_cpp")
-    if spec is None or spec.origin is None:
+    from draftexpert.runtime.ggml_kernel import ggml_library
+
+    path = ggml_library("ggml-base")
+    if path is None:
         return None
-    for name in ("libggml-base.so", "libggml-base.dylib", "ggml-base.dll"):
-        path = Path(spec.origin).parent / "lib" / name
-        if path.exists():
-            fn = ctypes.CDLL(str(path)).dequantize_row_q4_0
-            fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64], None
-            return fn
-    return None
+    fn = ctypes.CDLL(str(path)).dequantize_row_q4_0
+    fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64], None
+    return fn
 
 
 _Q4_0 = _ggml_q4_0()

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from draftexpert.runtime.experts import ExpertStore, FlashStore, HostStore, ResidentStore
+from draftexpert.runtime.ggml_kernel import check_kernel
 from draftexpert.runtime.ledger import Ledger
 from draftexpert.runtime.model import ModelConfig, MoEModel
 
@@ -156,6 +157,8 @@ def expert_file_layers(path: Path, device, dtype, kernel: str = "dequant") -> It
     from draftexpert.runtime.gguf_experts import ExpertFile
 
     f = ExpertFile(Path(path), staging_buffers=1)
+    if kernel != "dequant":
+        check_kernel(kernel, f.qtype, device)
     take = (lambda raw: f.quantized(raw)) if kernel == "ggml" else (lambda raw: f.dequantize(raw, device, dtype))
     try:
         for layer in f.layers:
@@ -192,16 +195,9 @@ def build_model(folder: Path, store: str = "resident", device: str = "cpu", dtyp
     bounds what a round keeps on the accelerator (offload stores; 0: unbounded); `staging` how the
     flash store reads (`experts.STAGING`); `kernel` how the experts of a Q4_0 file compute on a
     CPU (`ggml_kernel.KERNELS`: "ggml" keeps them as their Q4_0 blocks)."""
-    from draftexpert.runtime.ggml_kernel import check_kernel
-
-    if kernel != "dequant":
-        if gguf_path is None or store not in ("flash", "resident"):
-            raise ValueError("--expert-kernel ggml computes the experts of a Q4_0 expert file (platform mn, or "
-                             "resident from the file)")
-        from draftexpert.runtime.gguf_experts import ExpertFile
-
-        check_kernel(kernel, ExpertFile(Path(gguf_path), staging_buffers=0).slices[
-            (load_config(folder).first_k_dense_replace, "gate")].qtype, device)
+    if kernel != "dequant" and (gguf_path is None or store not in ("flash", "resident")):
+        raise ValueError("--expert-kernel ggml computes the experts of a Q4_0 expert file (platform mn, or "
+                         "resident from the file)")
     cfg = load_config(folder)
     ckpt = Checkpoint(folder)
     weights = non_routed_weights(ckpt, device, dtype)
