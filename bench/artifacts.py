@@ -51,7 +51,7 @@ def expert_file_for(model: str, folder: Path, qtype: str, out: Path | None = Non
     from draftexpert.runtime.loader import convert_experts
 
     h = hashlib.sha256((folder / "config.json").read_bytes())
-    h.update(b"expert split v3")  # v2: split 2 of the llama.cpp model (split.no = 1); v3: checksummed
+    h.update(b"expert split v4")  # v2: split 2 of the llama.cpp model (split.no = 1); v3: checksummed; v4: gate_up fused
     for p in sorted(folder.glob("*.safetensors")):
         st = p.stat()
         h.update(f"{p.name}:{st.st_size}:{st.st_mtime_ns}".encode())

@@ -149,7 +149,7 @@ def flash(folder: Path, gguf: Path, repeats: int = 20, layer: int | None = None,
     top_k = 6
     total = top_k * f.expert_nbytes(layer)
     rng = random.Random(0)
-    E = f.slices[(layer, "gate")].n_experts
+    E = f.n_experts(layer)
     read_s, load_s = [], []
     pool = ThreadPoolExecutor(top_k)  # a layer's reads in flight together
     for _ in range(repeats):
@@ -164,8 +164,8 @@ def flash(folder: Path, gguf: Path, repeats: int = 20, layer: int | None = None,
         store.end_forward()  # cold: the next load reads the disk
         load_s.append(time.perf_counter() - t0)
     pool.shutdown()
-    qtype = f.slices[(layer, "gate")].qtype
-    block = max(4096, f.slices[(layer, "gate")].nbytes // 4096 * 4096)
+    qtype = f.qtype
+    block = max(4096, f.slices[(layer, "down")].nbytes // 4096 * 4096)
     ref = odirect_read_bandwidth(Path(gguf).parent, block_size=block, file_size=max(total, block), passes=max(5, repeats // 2))
     store.close()
     f.close()

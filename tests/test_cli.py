@@ -113,5 +113,5 @@ def test_speed_host_measures_loads_against_a_copy():
     p = run_bench("speed", "host", "--model", "ds-tiny", "--repeats", "3", "--json")
     assert p.returncode == 0, p.stderr
     r = json.loads(p.stdout)
-    assert r["experts"] == 6 and r["bytes"] == 6 * 3 * 128 * 256 * 2  # gate, up, down as stored: bf16
+    assert r["experts"] == 6 and r["bytes"] == 6 * 3 * 128 * 256 * 2  # gate_up, down as stored: bf16
     assert r["load_ms"]["n"] == 3 and r["efficiency"] > 0 and r["copy_gb_per_s"] > 0

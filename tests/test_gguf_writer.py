@@ -50,6 +50,25 @@ def test_the_store_refuses_a_damaged_file_it_wrote(tmp_path):
         ExpertFile(path, staging_buffers=1)
 
 
+def test_one_expert_is_two_contiguous_reads_and_separate_gate_up_is_refused(tmp_path):
+    import gguf
+    import numpy as np
+
+    from draftexpert.runtime.gguf_experts import ExpertFileError
+
+    f = ExpertFile(write_expert_gguf(tmp_path / "e.gguf", _layers(), META, "f32"), staging_buffers=0)
+    (gu_off, gu_n), (dn_off, dn_n) = f.ranges(1, 2)
+    assert (gu_n, dn_n) == (2 * 32 * 64 * 4, 64 * 32 * 4)  # gate and up of expert 2 in one range
+    assert gu_off == f.ranges(1, 0)[0][0] + 2 * gu_n
+    f.close()
+    w = gguf.GGUFWriter(str(tmp_path / "old.gguf"), "deepseek2")  # llama.cpp's unfused names
+    for part, shape in (("gate", (4, 32, 64)), ("up", (4, 32, 64)), ("down", (4, 64, 32))):
+        w.add_tensor(f"blk.1.ffn_{part}_exps.weight", np.zeros(shape, np.float32))
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    with pytest.raises(ExpertFileError, match="lacks ffn_gate_up_exps.*separate gate and up.*bench convert"):
+        ExpertFile(tmp_path / "old.gguf", staging_buffers=0)
+
+
 def test_bench_speed_convert_writes_and_removes_its_file(tmp_path):
     import json
 

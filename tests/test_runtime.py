@@ -95,7 +95,7 @@ def test_ledger_counts_cold_loads(checkpoint):
     ar = led["by_phase"]["ar"]
     # cold setting: every decode step loads each MoE layer's top-k (one token: all unique)
     assert ar["forwards"] == 7 and ar["requested"] == ar["loads"] == 7 * 2 * 4
-    expert_bytes = 3 * 64 * 32 * 4  # gate, up, down of one f32 expert
+    expert_bytes = 3 * 64 * 32 * 4  # gate_up, down of one f32 expert
     assert ar["bytes"] == ar["loads"] * expert_bytes
     assert 0 < ar["stall_s"] < ar["wall_s"]
     assert set(led["per_layer"]) == {"1", "2"}
@@ -104,7 +104,7 @@ def test_ledger_counts_cold_loads(checkpoint):
 
 def test_demand_staging_reads_every_expert_whole_and_leaves_nothing_cached(checkpoint):
     """Default flash staging: a step's experts are all requested before any is waited for, each read
-    whole (its three ranges), and after every AR step and every round no page of the file is cached
+    whole (its two ranges), and after every AR step and every round no page of the file is cached
     (the cold setting: the next load reads the disk); prefetches no forward used leave with the round."""
     from draftexpert.engines.llamacpp import ExpertPages
     from draftexpert.speculation.drafters import make_draft_path

@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from draftexpert.runtime.gguf_experts import ARCH, TYPES, _qtype, add_tensor, finish_atomic
+from draftexpert.runtime.gguf_experts import ARCH, PARTS, TYPES, _qtype, add_tensor, finish_atomic
 
 N_SPLITS = 2
 
@@ -198,7 +198,7 @@ def write_head(folder: Path, path: Path, qtype: str, draft=None) -> Path:
     w = gguf.GGUFWriter(str(tmp), ARCH)
     w.add_uint16(gguf.Keys.Split.LLM_KV_SPLIT_NO, 0)
     w.add_uint16(gguf.Keys.Split.LLM_KV_SPLIT_COUNT, N_SPLITS)
-    w.add_int32(gguf.Keys.Split.LLM_KV_SPLIT_TENSORS_COUNT, len(tensors) + 3 * n_moe)
+    w.add_int32(gguf.Keys.Split.LLM_KV_SPLIT_TENSORS_COUNT, len(tensors) + len(PARTS) * n_moe)
     w.add_string("draftexpert.content", "head" if draft is None else "draftexpert drafter head")
     _metadata(w, cfg, folder, qtype, shared, used_count=1 if draft is not None else cfg.num_experts_per_tok)
     digests: dict[str, str] = {}

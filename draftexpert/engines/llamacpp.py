@@ -10,7 +10,7 @@ Pieces:
     evict     madvise(MADV_DONTNEED) on every mapping of the file in this process (llama.cpp maps
               it; the target and the drafter each once), then posix_fadvise(POSIX_FADV_DONTNEED)
               on the file: the pages leave the page cache, so the next use reads storage.
-    prefetch  posix_fadvise(POSIX_FADV_WILLNEED) on an expert's three byte ranges (async readahead).
+    prefetch  posix_fadvise(POSIX_FADV_WILLNEED) on an expert's two byte ranges (async readahead).
     stage     the experts a layer's router chose, whole and all in flight together: fadvise
               WILLNEED on every range, then a read through each to wait for it.
     resident_experts  mincore over our own (never touched) shared mapping: which experts are cached.
@@ -236,14 +236,14 @@ class ExpertPages:
         if self.addr in (None, ctypes.c_void_p(-1).value):
             raise OSError(ctypes.get_errno(), f"mmap of {self.path} failed")
         self._vec = (ctypes.c_ubyte * (-(-self.size // PAGE)))()
-        self._keys = [(layer, e) for layer in sorted(self.nbytes) for e in range(self.slices[(layer, PARTS[0])].n_experts)]
-        spans = np.array([self.ranges(*k) for k in self._keys], dtype=np.int64).reshape(-1, len(PARTS), 2)  # [N, 3, (off, n)]
-        self._first, self._last = spans[..., 0] // PAGE, -(-(spans[..., 0] + spans[..., 1]) // PAGE)  # page ranges [N, 3]
+        self._keys = [(layer, e) for layer in sorted(self.nbytes) for e in range(index.n_experts(layer))]
+        spans = np.array([self.ranges(*k) for k in self._keys], dtype=np.int64).reshape(-1, len(PARTS), 2)  # [N, 2 (gate_up, down), (off, n)]
+        self._first, self._last = spans[..., 0] // PAGE, -(-(spans[..., 0] + spans[..., 1]) // PAGE)  # page ranges [N, 2]
         self._buf = bytearray(int(spans[..., 1].max()))  # `stage` reads through it
         self._mappings: list[tuple[int, int]] | None = None  # (start, end) of llama.cpp's mappings of the file
 
     def ranges(self, layer: int, e: int) -> list[tuple[int, int]]:
-        """(file offset, bytes) of expert e's gate, up and down slices (`ExpertFile.ranges`)."""
+        """(file offset, bytes) of expert e's gate_up and down slices (`ExpertFile.ranges`)."""
         return self.index.ranges(layer, e)
 
     def evict(self) -> None:
@@ -302,7 +302,7 @@ class ExpertPages:
         return np.frombuffer(self._vec, dtype=np.uint8) & 1 == 1
 
     def resident_experts(self, snap: np.ndarray) -> set[tuple[int, int]]:
-        """Every (layer, e) whose three slices are wholly cached in `snap` (all pages of each)."""
+        """Every (layer, e) whose two slices are wholly cached in `snap` (all pages of each)."""
         cached = np.concatenate([[0], np.cumsum(snap, dtype=np.int64)])  # cached[p] = cached pages before p
         full = ((cached[self._last] - cached[self._first]) == (self._last - self._first)).all(axis=1)
         return {self._keys[i] for i in np.flatnonzero(full)}

@@ -380,7 +380,7 @@ STAGING = {  # how the flash store reads an expert (recorded in every record's m
 class FlashStore(ExpertStore):
     """Platform mn: experts read from a GGUF file, whole, dequantised on the accelerator.
 
-    `staging` "demand" (default): a load is readahead issued for the expert's three ranges when it
+    `staging` "demand" (default): a load is readahead issued for the expert's two ranges when it
     starts (a forward starts all it needs before waiting for any; a prefetch starts when the drafter
     predicts it), and a buffered read that waits for it when the model takes it — the same mechanism
     as llama.cpp's demand staging, no threads: on this VM's 2 cores six Python reader threads cost

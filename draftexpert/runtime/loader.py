@@ -162,7 +162,7 @@ def expert_file_layers(path: Path, device, dtype, kernel: str = "dequant") -> It
     take = (lambda raw: f.quantized(raw)) if kernel == "ggml" else (lambda raw: f.dequantize(raw, device, dtype))
     try:
         for layer in f.layers:
-            pairs = [take(f.read_expert(layer, e)) for e in range(f.slices[(layer, 'gate')].n_experts)]
+            pairs = [take(f.read_expert(layer, e)) for e in range(f.n_experts(layer))]
             yield layer, torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
     finally:
         f.close()
