@@ -4,15 +4,15 @@ Layout (llama.cpp's deepseek2 names, its fused gate/up form): per MoE layer l,
 `blk.l.ffn_gate_up_exps.weight` [E, 2I, H] (expert e's gate rows, then its up rows) and
 `blk.l.ffn_down_exps.weight` [E, H, I] (numpy order; ggml lists dims reversed). The expert is the
 outermost dimension, so expert e of a tensor is one contiguous byte range: offset = data_offset +
-e · (n_bytes / E). Loading one expert is two contiguous reads (gate_up, down) — not the three of
+e · (n_bytes / E). Loading one expert is two contiguous reads (gate_up, down), not the three of
 separate gate and up tensors: this storage serves ~20K small reads a second, so a read saved is
-time saved (a layer's six Q4_0 experts staged cold: 0.91 vs 1.18 ms, measured) — two ways: `advise` + `read_expert_cached` — readahead
-requested for every expert a layer needs (all in flight in the kernel), then buffered reads that
-wait for each, the file's pages dropped afterwards (`drop_all`; the flash store's default,
-llama.cpp's staging too); or `read_expert` — O_DIRECT, each read widened to 4 KiB-aligned bounds
-(the file's data alignment is 4 KiB, so bf16/f16/f32 slices are already aligned and Q4_0 slices
-cost at most one extra page a read). Keeping llama.cpp's layout means
-the same file serves llama.cpp (platform mn's second engine) as split 2 of the model
+time saved (a layer's six Q4_0 experts staged cold: 0.91 vs 1.18 ms, docs/DESIGN.md). Two ways:
+`advise` + `read_expert_cached` — readahead requested for every expert a layer needs (all in
+flight in the kernel), then buffered reads that wait for each, the file's pages dropped afterwards
+(`drop_all`; the flash store's default, llama.cpp's staging too); or `read_expert` — O_DIRECT,
+each read widened to 4 KiB-aligned bounds (the file's data alignment is 4 KiB, so bf16/f16/f32
+slices are already aligned and Q4_0 slices cost at most one extra page a read). Keeping
+llama.cpp's layout means the same file serves llama.cpp (platform mn's second engine) as split 2 of the model
 (`split.no = 1`; `llama_gguf` writes split 1, the head).
 
 Integrity: every file this module's writers produce has a sidecar `<file>.sha256.json` with the
@@ -62,7 +62,7 @@ def write_expert_gguf(path: Path, experts, meta: dict, qtype: str = "q4_0") -> P
     """Write experts into `path` (atomically), streaming: every tensor's shape is known from
     `meta` (n_layer, n_expert, n_embd, n_ff_exp, first_dense), so the header and tensor infos go
     first and each layer's tensors are encoded and written as `experts` yields them — (layer,
-    gate_up [E, 2I, H], down [E, H, I]) float tensors, MoE layers in order, written as they come. Memory stays at one
+    gate_up [E, 2I, H], down [E, H, I]) float tensors, MoE layers in order. Memory stays at one
     layer (DS-V2-Lite: ~2 GiB in fp32), never the whole file (26.8 GiB in bf16)."""
     import gguf
 
