@@ -171,7 +171,7 @@ def distill_eval(model: str, folder: Path, presets: list[str], prompts: list[dic
     from draftexpert.speculation.drafters import DraftExperts, draftexpert
     from draftexpert.speculation.round import SpecConfig, SpeculativeDecoder
     from draftexpert.training.distill import (DraftExpertModule, TransformersTeacher, eval_windows, evaluate,
-                                              load_draft_experts, moe_layers)
+                                              evaluate_continuations, load_draft_experts, moe_layers)
 
     hf, tok = load_target(folder)
     hf = hf.float()
@@ -197,8 +197,12 @@ def distill_eval(model: str, folder: Path, presets: list[str], prompts: list[dic
         row = evaluate(TransformersTeacher(hf), module, windows)
         dec = SpeculativeDecoder(TorchEngine(lean, draftexpert(lean, experts)),
                                  SpecConfig(k_max=4, truncate=False, prefetch=True))
-        runs = [dec.generate(render_prompt(tok, p["prompt"]), max_new_tokens, tok.eos_token_id).stats for p in prompts]
-        spec = metrics.aggregate(runs)
+        outs = [(ids, dec.generate(ids, max_new_tokens, tok.eos_token_id))
+                for ids in (render_prompt(tok, p["prompt"]) for p in prompts)]
+        spec = metrics.aggregate([o.stats for _, o in outs])
+        # exact decoding: every preset emits the target's greedy continuation, so each is read on the same tokens
+        row["continuations"] = evaluate_continuations(TransformersTeacher(hf), module,
+                                                      [(ids, o.tokens) for ids, o in outs])
         row.update(acceptance_k4=spec["acceptance"], prefetch_hit_rate=spec["prefetch_hit_rate"],
                    steps=meta.get("steps", 0), tokens=meta.get("tokens", 0), train_seconds=meta.get("train_seconds", 0.0))
         rows[preset] = row
@@ -223,6 +227,32 @@ def table(result: dict) -> str:
                      f"{r['acceptance_k4']:.3f} | {r['prefetch_hit_rate']:.3f} | {r['steps']} | {r['tokens']:,} | "
                      f"{r['train_seconds']:.0f} | " + (f"{q[0]:.2f} / {q[1]:.3f} / {q[2]:.2f} / {q[3]:.2f}" if q else "–")
                      + " |")
+    return "\n".join(lines)
+
+
+def margin_table(result: dict) -> str:
+    """Where the drafts disagree with the target: per bucket of the target's top-1 margin, the share
+    of positions and each preset's token agreement, on held-out text / the target's own greedy
+    continuations (the tokens α is measured on)."""
+    rows = {p: r for p, r in result["presets"].items() if "by_target_margin" in r and "continuations" in r}
+    if not rows:
+        return ""
+    first = next(iter(rows.values()))
+    held, cont = first["by_target_margin"], first["continuations"]["by_target_margin"]
+    edges = held["edges"]
+    f = lambda x: "–" if x != x else f"{x:.3f}"  # NaN: no position in the bucket
+    lines = [f"Where the drafts disagree: the target's top-1 margin p(1st) − p(2nd), mean top-1 probability "
+             f"{first['target_top1_prob']:.3f} on held-out text and {first['continuations']['target_top1_prob']:.3f} on "
+             f"its own greedy continuations ({first['continuations']['tokens']} positions); per margin bucket the share "
+             "of positions and each preset's token agreement, held-out / continuations.", "",
+             "| target margin | share | " + " | ".join(rows) + " |", "|---|---|" + "---|" * len(rows)]
+    for b in range(len(edges) - 1):
+        lines.append(f"| [{edges[b]:.2f}, {edges[b + 1]:.2f}) | {f(held['share'][b])} / {f(cont['share'][b])} | "
+                     + " | ".join(f"{f(r['by_target_margin']['token_agreement'][b])} / "
+                                  f"{f(r['continuations']['by_target_margin']['token_agreement'][b])}"
+                                  for r in rows.values()) + " |")
+    lines.append("| all | 1 / 1 | " + " | ".join(f"{r['token_agreement']:.3f} / {r['continuations']['token_agreement']:.3f}"
+                                                for r in rows.values()) + " |")
     return "\n".join(lines)
 
 
@@ -258,7 +288,7 @@ def write_card(model: str, folder: Path, result: dict) -> Path:
               f"Held-out: {result['held_out_windows']} validation windows of {result['seq_len']} tokens; α and prefetch "
               f"hit rate from DraftExpert at K = 4 (greedy, no truncation, prefetch on) on {result['prompts']} prompts "
               f"of five suites, {result['max_new_tokens']} new tokens. `top1` is the untrained (zero) draft expert, "
-              "i.e. shared + top-1.", "", table(result), ""]
+              "i.e. shared + top-1.", "", table(result), "", margin_table(result), ""]
     for preset in PRESET_ORDER[1:]:
         if (d / f"{preset}.loss.png").exists():
             lines += [f"![{preset} loss]({preset}.loss.png)", ""]

@@ -4,8 +4,9 @@ import pytest
 import torch
 from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
 
-from draftexpert.training.distill import (DistillConfig, DistillError, DraftExpertModule, TransformersTeacher, draft_pass,
-                                          eval_windows, load_draft_experts, losses, save_draft_experts, target_pass, train)
+from draftexpert.training.distill import (DistillConfig, DistillError, DraftExpertModule, TransformersTeacher, by_margin,
+                                          draft_pass, eval_windows, evaluate_continuations, load_draft_experts, losses,
+                                          save_draft_experts, target_pass, token_counts, train)
 from draftexpert.speculation.drafters import draftexpert
 from draftexpert.runtime.model import KVCache, ModelConfig, from_hf_model
 
@@ -44,6 +45,31 @@ def test_loss_terms_on_hand_made_activations():
     off = {"logits": z, "layers": {1: {"de": m + 1.0, "log_r": log_r}}}
     assert torch.isclose(losses(target, off, ("res",))["res"], torch.tensor(8.0))  # ‖1‖² over H = 8
     assert set(losses(target, same, ("res",))) == {"res"}
+
+
+def test_agreement_is_read_per_target_margin():
+    # two vocab entries: a near-tie the draft flips (margin 0.02), a confident token it keeps (margin 0.8)
+    zt = torch.tensor([[0.51, 0.49], [0.9, 0.1]]).log()
+    zd = torch.tensor([[0.4, 0.6], [0.7, 0.3]]).log()
+    c = token_counts(zt, zd)
+    assert c["agree"] == 1 and c["tokens"] == 2 and abs(c["p1_sum"] - 1.41) < 1e-5
+    assert c["margin_tokens"] == [1, 0, 0, 0, 1] and c["margin_agree"] == [0, 0, 0, 0, 1]
+    m = by_margin(c)
+    assert m["share"] == [0.5, 0, 0, 0, 0.5] and m["token_agreement"][0] == 0 and m["token_agreement"][4] == 1
+    assert m["token_agreement"][1] != m["token_agreement"][1]  # an empty bucket is NaN, not 0
+
+
+def test_continuation_agreement_reads_the_positions_that_predict_the_emitted_tokens():
+    class Teacher:  # the target predicts every next token; the draft agrees only from the prompt's last position on
+        def target_pass(self, x):
+            return {"logits": torch.nn.functional.one_hot(torch.cat([x[:, 1:], x[:, :1]], 1), 8).float() * 5}
+
+        def draft_pass(self, draft, x):
+            z = self.target_pass(x)["logits"].clone()
+            z[:, :3] = z[:, :3].roll(1, -1)  # disagree before position 3 = len(prompt) - 1
+            return {"logits": z}
+    r = evaluate_continuations(Teacher(), None, [([1, 2, 3, 4], [5, 6, 7])])
+    assert r["tokens"] == 3 and r["token_agreement"] == 1.0
 
 
 @pytest.mark.parametrize("version", ["v2", "v3"])

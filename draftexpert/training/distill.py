@@ -331,19 +331,51 @@ def total_loss(parts: dict[str, torch.Tensor], cfg: DistillConfig) -> torch.Tens
 
 # -- metrics (Table 5) --------------------------------------------------------------------------
 
+# The target's top-1 margin p(1st) − p(2nd) of its next-token distribution, in buckets: a draft
+# flips the argmax where the target nearly ties, so agreement is read per bucket (near-ties first).
+MARGIN_EDGES = (0.0, 0.05, 0.1, 0.2, 0.4, 1.0)
+
+
+@torch.no_grad()
+def token_counts(zt: torch.Tensor, zd: torch.Tensor) -> dict:
+    """zt, zd [N, V] target / draft logits at the same positions: KL sum, argmax agreements, and per
+    margin bucket the tokens and agreements; the sum of the target's top-1 probabilities."""
+    zt, zd = zt.float(), zd.float()
+    kl = F.kl_div(zd.log_softmax(-1), zt.log_softmax(-1), log_target=True, reduction="sum").item()
+    ok = zt.argmax(-1) == zd.argmax(-1)
+    top = zt.softmax(-1).topk(2, -1).values  # [N, 2]
+    bucket = torch.bucketize(top[:, 0] - top[:, 1], torch.tensor(MARGIN_EDGES[1:-1]))
+    n_b = torch.bincount(bucket, minlength=len(MARGIN_EDGES) - 1)
+    a_b = torch.bincount(bucket[ok], minlength=len(MARGIN_EDGES) - 1)
+    return {"kl_sum": kl, "agree": ok.sum().item(), "tokens": zt.shape[0], "p1_sum": top[:, 0].sum().item(),
+            "margin_tokens": n_b.tolist(), "margin_agree": a_b.tolist()}
+
+
 @torch.no_grad()
 def agreement(target: dict, draft: dict, k: int) -> dict:
-    """Next-token KL(target ‖ draft), token agreement (argmax equal), router agreement
-    |draft top-k ∩ target top-k| / k (mean over MoE layers and tokens) — sums and counts."""
-    zt, zd = target["logits"].flatten(0, 1).float(), draft["logits"].flatten(0, 1).float()
-    kl = F.kl_div(zd.log_softmax(-1), zt.log_softmax(-1), log_target=True, reduction="sum").item()
-    agree = (zt.argmax(-1) == zd.argmax(-1)).sum().item()
+    """Next-token KL(target ‖ draft), token agreement (argmax equal, also per target-margin bucket),
+    router agreement |draft top-k ∩ target top-k| / k (mean over MoE layers and tokens) — sums and counts."""
+    out = token_counts(target["logits"].flatten(0, 1), draft["logits"].flatten(0, 1))
     inter, n_route = 0.0, 0
     for i, a in target["layers"].items():
         t, d = a["topk"], draft["layers"][i]["topk"]
         inter += (t[:, :, None] == d[:, None, :]).any(-1).sum().item() / k
         n_route += t.shape[0]
-    return {"kl_sum": kl, "agree": agree, "tokens": zt.shape[0], "router_sum": inter, "router_n": n_route}
+    return {**out, "router_sum": inter, "router_n": n_route}
+
+
+def add_counts(tot: dict, a: dict) -> dict:
+    """tot += a, key by key (lists element by element)."""
+    for key, v in a.items():
+        tot[key] = [x + y for x, y in zip(tot.get(key, [0] * len(v)), v)] if isinstance(v, list) else tot.get(key, 0) + v
+    return tot
+
+
+def by_margin(tot: dict) -> dict:
+    """Per target-margin bucket: the share of tokens there and the draft's agreement there (NaN where empty)."""
+    n, a = tot["margin_tokens"], tot["margin_agree"]
+    return {"edges": list(MARGIN_EDGES), "share": [x / tot["tokens"] for x in n],
+            "token_agreement": [y / x if x else float("nan") for x, y in zip(n, a)]}
 
 
 # -- checkpoints --------------------------------------------------------------------------------
@@ -427,14 +459,29 @@ def evaluate(teacher, draft: DraftExpertModule, windows: list[torch.Tensor]) -> 
     """Table 5's platform-independent metrics on held-out windows (teacher-forced):
       kl                = mean over tokens of KL(target ‖ draft) of the next-token distributions
       token_agreement   = fraction of tokens with draft argmax = target argmax
-      router_agreement  = mean over MoE layers and tokens of |draft top-k ∩ target top-k| / k"""
-    tot = {"kl_sum": 0.0, "agree": 0, "tokens": 0, "router_sum": 0.0, "router_n": 0}
+      router_agreement  = mean over MoE layers and tokens of |draft top-k ∩ target top-k| / k
+      by_target_margin  = share of tokens and token agreement per bucket of the target's top-1 margin"""
+    tot: dict = {}
     for x in windows:
-        a = agreement(teacher.target_pass(x), teacher.draft_pass(draft, x), teacher.cfg.top_k)
-        for k in tot:
-            tot[k] += a[k]
+        add_counts(tot, agreement(teacher.target_pass(x), teacher.draft_pass(draft, x), teacher.cfg.top_k))
     return {"kl": tot["kl_sum"] / tot["tokens"], "token_agreement": tot["agree"] / tot["tokens"],
-            "router_agreement": tot["router_sum"] / tot["router_n"], "tokens": tot["tokens"]}
+            "router_agreement": tot["router_sum"] / tot["router_n"], "tokens": tot["tokens"],
+            "target_top1_prob": tot["p1_sum"] / tot["tokens"], "by_target_margin": by_margin(tot)}
+
+
+@torch.no_grad()
+def evaluate_continuations(teacher, draft: DraftExpertModule, sequences: list[tuple[list[int], list[int]]]) -> dict:
+    """Token agreement on the target's own greedy continuations (prompt ids, emitted ids): where α is
+    measured. Each is teacher-forced whole; the positions that predict the emitted tokens count."""
+    tot: dict = {}
+    for prompt, emitted in sequences:
+        x = torch.tensor([prompt + emitted[:-1]])
+        at = slice(len(prompt) - 1, len(prompt) - 1 + len(emitted))
+        zt, zd = teacher.target_pass(x)["logits"][0, at], teacher.draft_pass(draft, x)["logits"][0, at]
+        add_counts(tot, token_counts(zt, zd))
+    return {"kl": tot["kl_sum"] / tot["tokens"], "token_agreement": tot["agree"] / tot["tokens"],
+            "tokens": tot["tokens"], "target_top1_prob": tot["p1_sum"] / tot["tokens"],
+            "by_target_margin": by_margin(tot)}
 
 
 def lr_at(step: int, cfg: DistillConfig) -> float:
