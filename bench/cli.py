@@ -1211,7 +1211,7 @@ def distill_eval_cmd(model: ModelOpt = "ds-tiny", model_path: ModelPathOpt = Non
         d.mkdir(parents=True, exist_ok=True)
         (d / "table5.json").write_text(json.dumps(r, indent=2) + "\n")
         bd.write_card(model, folder, r)
-    emit(r, as_json, bd.table(r) + "\n\n" + bd.margin_table(r))
+    emit(r, as_json, bd.report(r))
 
 
 @app.command("reproduce")

@@ -256,6 +256,11 @@ def margin_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def report(result: dict) -> str:
+    """Table 5 and, where the result carries them, its per-margin agreements: what every view prints."""
+    return "\n\n".join(part for part in (table(result), margin_table(result)) if part)
+
+
 def write_card(model: str, folder: Path, result: dict) -> Path:
     """models/<m>/draft_experts/README.md: what was trained, how, and Table 5 on held-out data."""
     from draftexpert.training.distill import load_draft_experts
@@ -288,7 +293,7 @@ def write_card(model: str, folder: Path, result: dict) -> Path:
               f"Held-out: {result['held_out_windows']} validation windows of {result['seq_len']} tokens; α and prefetch "
               f"hit rate from DraftExpert at K = 4 (greedy, no truncation, prefetch on) on {result['prompts']} prompts "
               f"of five suites, {result['max_new_tokens']} new tokens. `top1` is the untrained (zero) draft expert, "
-              "i.e. shared + top-1.", "", table(result), "", margin_table(result), ""]
+              "i.e. shared + top-1.", "", report(result), ""]
     for preset in PRESET_ORDER[1:]:
         if (d / f"{preset}.loss.png").exists():
             lines += [f"![{preset} loss]({preset}.loss.png)", ""]

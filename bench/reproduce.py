@@ -354,7 +354,7 @@ def table5(results_dir: Path, log, per_suite: int, tokens: int, quick: bool = Fa
         (results_dir / f"table5_{model}.md").write_text(
             f"{model}: held-out validation windows ({res['held_out_windows']} × {res['seq_len']} tokens) and "
             f"{res['prompts']} prompts ({per_suite} per suite, {tokens} new tokens), DraftExpert at K = 4, greedy, "
-            "no truncation, prefetch on, cold host store.\n\n" + bd.table(res) + "\n\n" + bd.margin_table(res) + "\n")
+            "no truncation, prefetch on, cold host store.\n\n" + bd.report(res) + "\n")
         written += [f"results/table5_{model}.md", f"results/table5_{model}.json"]
     return written
 

@@ -42,7 +42,7 @@ def test_fig3_draws_the_papers_points_scaled_to_the_models_layers(tmp_path):
 
 
 def test_tables_print_the_papers_values_beside_ours():
-    from bench.distill import table as table5
+    from bench.distill import report, table as table5
     from paper_figs.spec_table import table, table4
 
     row = {"decode_tps": 10.0, "speedup": 1.0, "acceptance": 0.5}
@@ -54,6 +54,13 @@ def test_tables_print_the_papers_values_beside_ours():
     r5 = {"kl": 0.1, "token_agreement": 0.9, "router_agreement": 0.9, "acceptance_k4": 0.8, "prefetch_hit_rate": 0.9,
           "steps": 1, "tokens": 1, "train_seconds": 1}
     assert "0.07 / 0.870 / 0.86 / 0.88" in table5({"model": "ds-tiny", "presets": {"full": r5}})
+    # with its per-margin readings the report adds the margin table; without them it is Table 5 alone
+    margins = {"edges": [0.0, 0.05, 1.0], "share": [0.6, 0.4], "token_agreement": [0.7, float("nan")]}
+    r5m = {**r5, "by_target_margin": margins, "target_top1_prob": 0.3,
+           "continuations": {"by_target_margin": margins, "target_top1_prob": 0.2, "tokens": 64, "token_agreement": 0.8}}
+    assert report({"model": "ds-tiny", "presets": {"full": r5}}) == table5({"model": "ds-tiny", "presets": {"full": r5}})
+    full = report({"model": "ds-tiny", "presets": {"full": r5m}})
+    assert "| [0.00, 0.05) | 0.600 / 0.600 | 0.700 / 0.700 |" in full and "| [0.05, 1.00) | 0.400 / 0.400 | – / – |" in full
 
 
 def _records():
