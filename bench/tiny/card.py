@@ -110,7 +110,8 @@ def write_card(folder: Path, name: str, reproduce_cmd: str) -> Path:
         f"structure of {'Moonlight-16B-A3B' if v3 else 'DeepSeek-V2-Lite'} at small dimensions, trained by this project "
         "on an offline corpus. Weights: `model.safetensors` (bf16). Load with "
         f"`AutoModelForCausalLM.from_pretrained('models/{name}')` (no network) or through `bench --model {name}`.", "",
-        f"Reproduce: `{reproduce_cmd}`.", "",
+        f"Reproduce: `{reproduce_cmd}" + (f" --threads {tcfg['threads']}" if tcfg.get("threads", 1) != 1 else "")
+        + "` (its tokenizer, committed here, is reused).", "",
         "## Shape", "",
         "| | |", "|---|---|",
         f"| layers | {cfg['num_hidden_layers']} (first {cfg['first_k_dense_replace']} dense, intermediate {cfg['intermediate_size']}) |",
@@ -144,8 +145,8 @@ def write_card(folder: Path, name: str, reproduce_cmd: str) -> Path:
         f"- load balancing: {balance}"
         + (f"; then {tcfg['bias_rebalance']['bias_balance_steps']} bias-update-only steps with every weight frozen "
            f"(u = {tcfg['bias_rebalance']['bias_update_speed']}, training batches of {tcfg['bias_rebalance']['batch_size']} × "
-           f"{tcfg['bias_rebalance']['seq_len']}, seeds disjoint from training), because the full validation split "
-           "still showed two layers above 3× the uniform load after the schedule ended" if "bias_rebalance" in tcfg else ""),
+           f"{tcfg['bias_rebalance']['seq_len']}, seeds disjoint from training), part of the recipe since an earlier ml-tiny's "
+           "full validation split showed two layers above 3× the uniform load after the schedule ended" if "bias_rebalance" in tcfg else ""),
         "",
         "![loss curve](loss_curve.png)", "",
         f"## Evaluation (`bench model eval --model {name}`: the whole validation split)", "",
