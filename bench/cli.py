@@ -59,7 +59,8 @@ WorkingSetOpt = Annotated[str | None, typer.Option("--working-set", help="torch 
                                                    "round keeps on the accelerator, e.g. 8GiB (past it the round "
                                                    "reloads on demand; default unbounded)")]
 DeviceOpt = Annotated[str | None, typer.Option("--device", help="cg: cuda (default; refused without a GPU) | cpu "
-                                               "(the CPU as the accelerator, recorded so)")]
+                                               "(the CPU as the accelerator, recorded so); resident: cpu (default) | "
+                                               "cuda (every expert on the GPU: cg's upper bound)")]
 DtypeOpt = Annotated[str, typer.Option("--dtype", help="torch engine's compute: fp32 (speculation exact) | bf16 (the "
                                        "paper's; a near-tie may flip); experts move in the checkpoint's dtype")]
 KernelOpt = Annotated[str, typer.Option("--expert-kernel", help="torch engine, Q4_0 experts on a CPU: auto (ggml where "
@@ -519,8 +520,9 @@ def _check_applicable(ctx: typer.Context, method: str, platform: str, engine: st
                             "expert_kernel"], why)
         _refuse_flags(ctx, ["platform", "expert_type", "cache_experts", "staging_budget", "staging", "seed"], why, warn=True)
         return
-    if platform != "cg":
-        _refuse_flags(ctx, ["device"], f"to --platform {platform} (it runs on the CPU here; cg is the GPU platform)")
+    if platform == "mn":
+        _refuse_flags(ctx, ["device"], f"to --platform {platform} (it runs on the CPU here; cg is the GPU platform, "
+                      "resident takes --device cuda as its upper bound)")
     if engine == "llama.cpp":
         _refuse_flags(ctx, ["dtype", "expert_kernel"], "to --engine llama.cpp (it computes in the expert file's types)")
     if platform != "mn":

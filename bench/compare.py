@@ -61,6 +61,7 @@ def compare(model: str, folder: Path, platform: str, prompts: list[dict], out_di
     from bench.results import read_records
     from bench.runner import run_cells
     from draftexpert import metrics
+    from draftexpert.runtime.params import WontFit
 
     args = (model, folder, platform, prompts)
     if method_set == "regime":
@@ -78,15 +79,24 @@ def compare(model: str, folder: Path, platform: str, prompts: list[dict], out_di
             continue
         over = dict(over)
         cell_platform = over.pop("platform", platform)
-        if cell_platform != platform and (read_bw or platform != "mn"):
-            continue  # the resident bound is measured once, beside the uncapped mn rows
-        decoder, tokenizer, cfg = make_decoder(model, folder, method, cell_platform, expert_type=expert_type,
-                                               max_new_tokens=max_new_tokens, expert_file=expert_file,
-                                               spec=spec.with_(**over), compile=compile, engine=engine,
-                                               staging=staging, resident_from_file=cell_platform != platform,
-                                               device=device if cell_platform == "cg" else None, dtype=dtype,
-                                               working_set=working_set if cell_platform != "resident" else 0,
-                                               expert_kernel=expert_kernel)
+        if cell_platform != platform and (read_bw or platform not in ("mn", "cg")):
+            continue  # the resident bound is measured once, beside the uncapped offload rows
+        # mn's bound holds the expert file's experts on the CPU; cg's the checkpoint's, on cg's accelerator
+        cell_device = device if cell_platform == "cg" else (device or "cuda") if platform == "cg" else None
+        try:
+            decoder, tokenizer, cfg = make_decoder(model, folder, method, cell_platform, expert_type=expert_type,
+                                                   max_new_tokens=max_new_tokens, expert_file=expert_file,
+                                                   spec=spec.with_(**over), compile=compile, engine=engine,
+                                                   staging=staging,
+                                                   resident_from_file=platform == "mn" and cell_platform != platform,
+                                                   device=cell_device, dtype=dtype,
+                                                   working_set=working_set if cell_platform != "resident" else 0,
+                                                   expert_kernel=expert_kernel)
+        except WontFit as e:
+            if cell_platform == platform:
+                raise
+            log(f"== {label}: not measured — {e}")  # e.g. DS-V2-Lite's 31 GB resident on a 24 GB card
+            continue
         run_dir = out_dir / label
         log(f"== {label} → {run_dir}")
         if read_bw:

@@ -37,22 +37,27 @@ def available_device(platform: str) -> str | None:
 
 def placement(platform: str, method: str, device: str | None = None, dtype: str = "fp32") -> tuple[str, str]:
     """(device, dtype) of a torch-engine cell. cg computes on a CUDA GPU and is refused without one
-    unless `device="cpu"` asks for the CPU as the accelerator (recorded in the cell); mn and resident
-    run on the CPU here. Router, softmax and the V3 bias stay fp32 in every dtype (`DTYPES`)."""
+    unless `device="cpu"` asks for the CPU as the accelerator (recorded in the cell); resident runs on
+    the CPU unless `device="cuda"` puts every expert on the GPU (cg's upper bound, where it fits); mn
+    runs on the CPU here. Router, softmax and the V3 bias stay fp32 in every dtype (`DTYPES`)."""
     import torch
 
     if dtype not in DTYPES:
         raise ValueError(f"--dtype: {dtype!r} is not one of {', '.join(DTYPES)}")
     if device not in (None, "cpu", "cuda"):
         raise ValueError(f"--device: {device!r} is not one of cpu, cuda")
-    if platform != "cg" or method == "reference":
+    if platform == "mn" or method == "reference":
         if device == "cuda":
-            raise ValueError(f"--device cuda: platform {platform} runs on the CPU here (cg is the GPU platform)")
+            raise ValueError(f"--device cuda: {'the reference' if method == 'reference' else 'platform mn'} runs on "
+                             "the CPU here (cg is the GPU platform; resident takes --device cuda as its upper bound)")
+        device = "cpu"
+    elif platform == "resident" and device is None:
         device = "cpu"
     elif device is None or device == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError("--platform cg copies experts to a CUDA GPU, and torch sees none (a CPU build or no "
-                             "device); `--device cpu` runs cg with the CPU as the accelerator (recorded so)")
+            raise ValueError(f"--platform {platform}{' --device cuda' if platform == 'resident' else ''} needs a CUDA "
+                             "GPU, and torch sees none (a CPU build or no device); `--device cpu` runs cg with the "
+                             "CPU as the accelerator (recorded so)")
         device = "cuda"
     if dtype == "bf16" and method in ("top-r", "draftexpert"):
         print("warning: --dtype bf16: a verify pass and the one-token step round differently in bf16, so a near-tie "

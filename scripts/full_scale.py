@@ -14,6 +14,12 @@ records; then cg's plan for the paper's host (`bench plan --model ds --platform 
 ds has no distilled draft experts), then — after `--distill-steps` of `bench distill --teacher runtime`
 (the teacher streamed from the Q4_0 expert file, in the same cap) — the draft experts it wrote.
 The first run of a type includes writing its expert file.
+
+`--platforms cg` (a CUDA GPU; `--cg-device cpu` only to smoke-test the path) runs the user's cg
+commands for real: `bench run --platform cg` for AR, shared+top-1 and DraftExpert (zero draft
+expert) in bf16 and fp32, beside `--platform resident` (every expert on the GPU: the upper bound,
+where it fits), and says whether each speculative run's tokens equal AR's in the same dtype.
+On a CUDA machine the random weights are drawn on the GPU (fast; other numbers than the CPU's).
 """
 from __future__ import annotations
 
@@ -70,7 +76,8 @@ def write_checkpoint(folder: Path, config: Path, log) -> int:
     for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):  # any tokenizer serves random weights
         if (REPO / "models" / "ds-tiny" / f).exists():
             shutil.copy(REPO / "models" / "ds-tiny" / f, folder / f)
-    g = torch.Generator().manual_seed(0)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # drawing 15.7G normals on the GPU takes seconds
+    g = torch.Generator(dev).manual_seed(0)
     shapes = tensor_shapes(cfg)
     shard, size, n, weight_map, total = {}, 0, 0, {}, 0
     names = []
@@ -87,7 +94,7 @@ def write_checkpoint(folder: Path, config: Path, log) -> int:
 
     for key, shape in shapes:
         t = torch.ones(shape, dtype=torch.bfloat16) if key.endswith("norm.weight") else \
-            (torch.randn(shape, generator=g) * 0.02).to(torch.bfloat16)
+            (torch.randn(shape, generator=g, device=dev) * 0.02).to(torch.bfloat16).cpu()
         shard[key] = t
         size += t.nbytes
         total += t.nbytes
@@ -190,6 +197,46 @@ def distill_rows(a, bench: list[str], ckpt: Path, cap, env: dict, log) -> list[d
     return rows
 
 
+def run_row(cmd: list[str], cap, env: dict, scratch: Path, log, **tags) -> dict:
+    """One `bench run` in the cap: a row of wall seconds, peaks, tok/s, loading share (and its tokens)."""
+    r = run_child(cmd, cap, env, scratch)
+    row = {**tags, "rc": r["rc"], "seconds": round(r["seconds"], 1), "peak_rss_gib": round(r["peak_rss"] / 2**30, 2),
+           "group_peak_gib": r["group_peak"] and round(r["group_peak"] / 2**30, 2)}
+    if r["rc"] == 0:
+        rec = json.loads(r["stdout"])["records"][0]
+        row.update(tok_s=rec["decode_tps"], loading_share=rec.get("loading_share"), new_tokens=rec["new_tokens"],
+                   tokens=rec["tokens"])
+    else:
+        row["error"] = r["stderr"].strip().splitlines()[-3:] or ["(killed)"]
+    log(json.dumps({k: v for k, v in row.items() if k != "tokens"}))
+    return row
+
+
+def cg_rows(a, bench: list[str], ckpt: Path, cap, env: dict, log) -> list[dict]:
+    """The user's cg commands on the GPU (`--cg-cells`, e.g. resident AR: the upper bound; AR;
+    shared+top-1; DraftExpert with the zero draft expert) in each of `--cg-dtypes`; every row's
+    `tokens_equal_ar` is against cg's AR in its dtype (greedy: equal in fp32, a near-tie may flip in bf16)."""
+    rows = []
+    for dtype in a.cg_dtypes.split(","):
+        for cell in a.cg_cells.split(","):
+            platform, method = cell.split(":")
+            cmd = [*bench, "run", "--model", a.model, "--model-path", str(ckpt), "--platform", platform,
+                   "--method", method, "--dtype", dtype, "--device", a.cg_device, "--suite", "gsm8k", "--limit", "1",
+                   "--max-new-tokens", str(a.tokens), "--out", str(a.dir / "runs" / f"{platform}-{dtype}-{method}"),
+                   "--json", *a.cg_args.split()] + (["--draft-experts", "zero"] if method == "draftexpert" else [])
+            log(f"== {platform} {dtype} {method} ({a.cg_device}) {a.cg_args}")
+            rows.append(run_row(cmd, cap, env, a.dir / "scratch", log, platform=platform, dtype=dtype, method=method,
+                                device=a.cg_device, args=a.cg_args))
+        ar = next((r for r in rows if (r["platform"], r["dtype"], r["method"]) == ("cg", dtype, "ar")), {})
+        for row in rows:
+            if row["dtype"] == dtype and row is not ar and "tokens" in row and "tokens" in ar:
+                row["tokens_equal_ar"] = row["tokens"] == ar["tokens"]
+                log(f"{row['platform']} {dtype} {row['method']}: tokens equal cg AR's: {row['tokens_equal_ar']}")
+    for r in rows:
+        r.pop("tokens", None)
+    return rows
+
+
 def parse_size(text: str) -> int:
     import re
 
@@ -210,6 +257,13 @@ def main() -> int:
                     "on mn q4_0, then DraftExpert with those draft experts (0: skip)")
     ap.add_argument("--model", default="ds", help="the registry name the checkpoint is run as (smoke runs: ds-tiny)")
     ap.add_argument("--config", type=Path, default=REPO / "bench" / "model_facts" / "ds.json")
+    ap.add_argument("--platforms", default="mn", help="mn (both engines, --types) and/or cg (a CUDA GPU: the user's "
+                    "cg commands for real, beside resident)")
+    ap.add_argument("--cg-dtypes", default="bf16,fp32")
+    ap.add_argument("--cg-cells", default="resident:ar,cg:ar,cg:top-r,cg:draftexpert",
+                    help="platform:method pairs run in each cg dtype")
+    ap.add_argument("--cg-args", default="", help="more `bench run` flags for the cg rows, e.g. --compile")
+    ap.add_argument("--cg-device", default="cuda", help="cpu: smoke-test the cg rows without a GPU")
     a = ap.parse_args()
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     limit = 0 if a.mem_cap.lower() == "none" else parse_size(a.mem_cap)
@@ -223,7 +277,12 @@ def main() -> int:
             log(f"writing the random checkpoint to {ckpt}")
             total = write_checkpoint(ckpt, a.config, log)
             log(f"checkpoint: {total / 1e9:.1f} GB in {time.perf_counter() - t0:.0f} s")
-        for qtype in a.types.split(","):
+        platforms = a.platforms.split(",")
+        if bad := set(platforms) - {"mn", "cg"}:
+            raise SystemExit(f"--platforms: {', '.join(sorted(bad))} is not mn or cg")
+        if "cg" in platforms:
+            rows += cg_rows(a, bench, ckpt, cap, env, log)
+        for qtype in (a.types.split(",") if "mn" in platforms else []):
             cells = [(engine, method, []) for engine in ("torch", "llama.cpp") for method in ("ar", "draftexpert")]
             if qtype == "q4_0":  # the issue's OOM row: every draft position's experts kept (bounded now), and cg
                 cells += [("torch", "draftexpert", ["--no-truncate", "--k-max", "4"]),
@@ -237,18 +296,10 @@ def main() -> int:
                 if method == "draftexpert":
                     cmd += ["--draft-experts", "zero"]
                 log(f"== {qtype} {engine} {method} {' '.join(extra)}")
-                r = run_child(cmd, cap, env, a.dir / "scratch")
-                row = {"type": qtype, "engine": engine, "method": method, "args": " ".join(extra), "rc": r["rc"],
-                       "seconds": round(r["seconds"], 1), "peak_rss_gib": round(r["peak_rss"] / 2**30, 2),
-                       "group_peak_gib": r["group_peak"] and round(r["group_peak"] / 2**30, 2)}
-                if r["rc"] == 0:
-                    rec = json.loads(r["stdout"])["records"][0]
-                    row.update(tok_s=rec["decode_tps"], loading_share=rec.get("loading_share"),
-                               new_tokens=rec["new_tokens"])
-                else:
-                    row["error"] = r["stderr"].strip().splitlines()[-1:] or ["(killed)"]
+                row = run_row(cmd, cap, env, a.dir / "scratch", log, type=qtype, engine=engine, method=method,
+                              args=" ".join(extra))
+                row.pop("tokens", None)
                 rows.append(row)
-                log(json.dumps(row))
             if qtype == "q4_0" and a.distill_steps:
                 rows += distill_rows(a, bench, ckpt, cap, env, log)
             for f in cache.rglob(f"*{qtype}*"):  # this type's expert file and heads: room for the next

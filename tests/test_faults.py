@@ -307,7 +307,7 @@ def test_llama_cpp_refuses_a_sequence_past_its_context(tiny_checkpoint, tmp_path
             dec.close()
 
 
-def test_cg_without_a_gpu_is_refused_unless_the_cpu_is_asked_for(tiny_checkpoint, tmp_path):
+def test_gpu_placements_without_a_gpu_are_refused_unless_the_cpu_is_asked_for(tiny_checkpoint, tmp_path):
     import torch
     from typer.testing import CliRunner
 
@@ -322,6 +322,13 @@ def test_cg_without_a_gpu_is_refused_unless_the_cpu_is_asked_for(tiny_checkpoint
     assert json.loads(res.stdout[res.stdout.index("{"):])["records"][0]["method_args"]["device"] == "cpu"
     res = CliRunner().invoke(app, _run(tiny_checkpoint, tmp_path / "z", "--platform", "mn", "--device", "cuda"))
     assert res.exit_code == 2 and "--device does not apply to --platform mn" in res.output
+    # resident: the CPU by default; --device cuda (cg's upper bound on the GPU) is refused here by what it needs
+    res = CliRunner().invoke(app, _run(tiny_checkpoint, tmp_path / "r", "--platform", "resident", "--device", "cuda"))
+    assert res.exit_code == 2 and "--platform resident --device cuda needs a CUDA GPU" in res.output
+    res = CliRunner().invoke(app, _run(tiny_checkpoint, tmp_path / "s", "--platform", "resident", "--device", "cpu",
+                                       "--json"))
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout[res.stdout.index("{"):])["records"][0]["method_args"]["device"] == "cpu"
 
 
 def test_distill_eval_refuses_a_missing_ablation_checkpoint_and_a_card_for_one(tiny_checkpoint, tmp_path):

@@ -156,3 +156,19 @@ def test_convert_writes_a_readable_expert_file_once(tiny_checkpoint, tmp_path):
     # this checkpoint's moe_intermediate (16) cannot be Q4_0: said plainly, no traceback
     q4 = run_bench("convert", "--model-path", str(tiny_checkpoint), "--type", "q4_0", env=_env(tmp_path))
     assert q4.returncode == 2 and "multiples of 32" in q4.stderr and "Traceback" not in q4.stderr
+
+
+def test_compare_on_cg_measures_the_resident_bound_on_the_same_accelerator(tiny_checkpoint, tmp_path):
+    """cg's table has its upper bound beside AR: every expert resident on cg's accelerator (here the
+    CPU, as `--device cpu` asks), the checkpoint's experts (not an expert file), the same tokens."""
+    p = run_bench("compare", "--model-path", str(tiny_checkpoint), "--platform", "cg", "--device", "cpu",
+                  "--method", "ar", "--method", "ar-resident", "--suite", "gsm8k", "--limit", "1",
+                  "--max-new-tokens", "6", "--out", str(tmp_path / "cmp"), "--json", env=_env(tmp_path))
+    assert p.returncode == 0, p.stderr
+    from bench.results import read_records
+
+    recs = {label: read_records(tmp_path / "cmp" / label / "records.jsonl") for label in ("ar", "ar-resident")}
+    resident = recs["ar-resident"][0]
+    assert resident["platform"] == "resident" and resident["method_args"]["device"] == "cpu"
+    assert "expert_type" not in resident["method_args"]  # the checkpoint's experts, as cg moves them
+    assert resident["tokens"] == recs["ar"][0]["tokens"]
