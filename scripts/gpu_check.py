@@ -117,6 +117,9 @@ def exactness(folder: Path, device: str) -> dict:
     runs = {}
     guarded("T > 0 reproducible per seed", lambda: runs.setdefault("a", sampled(1)) == sampled(1), checks)
     guarded("T > 0: another seed, other tokens", lambda: runs["a"] != sampled(2), notes)
+    for name, dt in (("fp32", f32), ("bf16", torch.bfloat16)):
+        guarded(f"{name}: verify rows vs one-token steps, max |logit difference|",
+                lambda dt=dt: verify_gap(host(dtype=dt)), notes)
     if device == "cuda":
         guarded("host syncs per token (AR, host store)", lambda: host_syncs(host()), notes)
     bf16_res = []
@@ -126,6 +129,27 @@ def exactness(folder: Path, device: str) -> dict:
     guarded("bf16: draftexpert prompts equal to ar", lambda: "{}/{}".format(sum(a == b for a, b in zip(
         decode(speculative(host(dtype=torch.bfloat16), "draftexpert", de)), bf16_res)), len(PROMPTS)), notes)
     return {"checks": checks, "notes": notes, "errors": errors}
+
+
+def verify_gap(model, prompt=PROMPTS[2], block: int = 5) -> float:
+    """How far a verify pass's rows are from the one-token steps that AR takes over the same tokens
+    (max |Δ logit|): what exactness rests on. Not bitwise — the block's GEMMs and its per-expert
+    sums round otherwise — so a greedy token can differ only where the top two logits are closer."""
+    from draftexpert.runtime.model import KVCache
+
+    ids = torch.tensor(prompt)  # [S]: the last `block` tokens verified at once, or stepped one by one
+    dt, dev = model.embed.dtype, model.embed.device
+
+    def prefilled():
+        cache = KVCache(model.cfg, 64, device=dev, dtype=dt)
+        model.forward(ids[:-block], cache, "prefill")
+        return cache
+
+    steps_cache, block_cache = prefilled(), prefilled()
+    steps = torch.cat([model.forward(ids[j:j + 1], steps_cache, "ar") for j in range(len(ids) - block, len(ids))])
+    rows = model.forward(ids[-block:], block_cache, "verify")
+    model.experts.close()
+    return float((rows.float() - steps.float()).abs().max())
 
 
 def host_syncs(model, new: int = 16) -> dict:
