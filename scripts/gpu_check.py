@@ -13,7 +13,8 @@ Checks (exit 1 if any fails):
               truncation + prefetch, a bounded working set) = AR, token for token, in fp32; the
               compiled one-token step = eager; T > 0 reproducible per seed (CPU generators);
               bf16: host = resident (the same model), speculation's agreement with AR reported
-              (bf16 rounds a verify block and a one-token step differently).
+              (bf16 rounds a verify block and a one-token step differently). Notes: how far a
+              verify pass's rows are from the one-token steps (fp32, bf16), host syncs per AR token.
   transfer    a DS-V2-Lite layer's 6 experts (17.3 MB each, bf16) through the host store against
               one copy of the same bytes from pinned memory; pinned bytes vs data bytes.
 """
