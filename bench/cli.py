@@ -264,6 +264,9 @@ def env(path: Annotated[Path, typer.Option("--path", help="Folder whose storage 
         + (f"O_DIRECT read {io['gb_per_s_median']:.2f} GB/s median ({io['gb_per_s_best']:.2f} best) "
            f"at {io['block_bytes'] >> 10} KiB per read" if "gb_per_s_median" in io else f"O_DIRECT: {io.get('error', 'not measured')}"),
         f"gpu      {gpu_text}",
+        "copy in  " + (", ".join(f"{k.removesuffix('_gb_per_s').replace('_', ' ')} {v:.1f} GB/s"
+                                 for k, v in (t["copy_in"] or {}).items() if k.endswith("gb_per_s"))
+                       or "not measured") + "  (cg's experts: one copy into the accelerator, median)",
         "versions " + ", ".join(f"{k} {v}" for k, v in t["versions"].items() if v is not None),
     ])
     emit(t, as_json, text)

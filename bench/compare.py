@@ -111,7 +111,8 @@ def compare(model: str, folder: Path, platform: str, prompts: list[dict], out_di
         rows[label]["tokens"] = {r["prompt_id"]: r["tokens"] for r in recs}
         rows[label]["method_args"] = cfg.method_args
         rows[label]["platform"] = cfg.platform
-    bw = read_bw or _measured_read_bw(machine)
+    cg_device = next((r["method_args"].get("device") for r in rows.values() if r["platform"] == "cg"), None)
+    bw = read_bw or (_measured_copy_in(machine, cg_device) if platform == "cg" else _measured_read_bw(machine))
     for row in rows.values():
         row.update(metrics.relative(row, rows.get("ar")))
         row["physical_limit_tps"] = metrics.physical_limit_tps(row, bw) if row["platform"] != "resident" else None
@@ -120,6 +121,14 @@ def compare(model: str, folder: Path, platform: str, prompts: list[dict], out_di
     return {"model": model, "platform": platform, "engine": engine, "set": method_set, "expert_type": expert_type if platform == "mn" else None,
             "max_new_tokens": max_new_tokens, "read_bw": read_bw, "limit_read_bw": bw, "spec": spec.as_dict(),
             "methods": rows, "tokens_equal_ar": same}
+
+
+def _measured_copy_in(machine: dict | None, device: str | None) -> float | None:
+    """Bytes/s of one copy into cg's accelerator (`telemetry.copy_in_bandwidth`) when it was measured:
+    cg's experts cross that link, not the disk."""
+    copy_in = (machine or {}).get("copy_in") or {}
+    key = "cuda_pinned_gb_per_s" if device == "cuda" else "cpu_gb_per_s"
+    return copy_in[key] * 1e9 if key in copy_in else None
 
 
 def _measured_read_bw(machine: dict | None) -> float | None:

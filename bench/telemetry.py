@@ -2,7 +2,8 @@
 
 CPU model and cores, RAM, the storage device behind a folder and its O_DIRECT read bandwidth
 (measured, the page cache bypassed), library versions, and — through NVML when `nvidia-ml-py`
-is installed and a GPU is present — GPU name, memory and PCIe link.
+is installed and a GPU is present — GPU name, memory and PCIe link — and the copy bandwidth into
+the accelerator that platform cg's experts cross (pinned host → GPU; on the CPU a memcpy).
 """
 from __future__ import annotations
 
@@ -149,6 +150,34 @@ def gpus() -> list[dict] | dict:
     return out
 
 
+def copy_in_bandwidth(nbytes: int = 128 << 20, passes: int = 5) -> dict:
+    """Bytes/s of one copy of `nbytes` into the accelerator, as the host store copies an expert (median of
+    `passes`): `cpu` a memcpy between host buffers (the CPU as the accelerator), `cuda` from page-locked
+    host memory to the GPU when there is one — cg's physical limit is this rate over the bytes a token moves."""
+    try:
+        import torch
+    except ImportError:
+        return {"note": "torch not installed"}
+
+    def median_rate(dst, src, sync) -> float:
+        times = []
+        for _ in range(passes + 1):  # the first: allocator and page faults
+            sync()
+            t0 = time.perf_counter()
+            dst.copy_(src, non_blocking=True)
+            sync()
+            times.append(time.perf_counter() - t0)
+        return nbytes / sorted(times[1:])[passes // 2]
+
+    out = {"bytes": nbytes, "cpu_gb_per_s": median_rate(torch.empty(nbytes, dtype=torch.uint8),
+                                                       torch.ones(nbytes, dtype=torch.uint8), lambda: None) / 1e9}
+    if torch.cuda.is_available():
+        out["cuda_pinned_gb_per_s"] = median_rate(torch.empty(nbytes, dtype=torch.uint8, device="cuda"),
+                                                  torch.ones(nbytes, dtype=torch.uint8).pin_memory(),
+                                                  torch.cuda.synchronize) / 1e9
+    return out
+
+
 def versions() -> dict:
     out = {"python": platform.python_version()}
     for mod in ("torch", "transformers", "tokenizers", "safetensors", "numpy", "llama_cpp", "gguf"):
@@ -202,7 +231,7 @@ def collect(storage_path: Path | None = None, block_size: int = 1 << 20, measure
         "storage": {**storage_device(storage_path),
                     "odirect_read": odirect_read_bandwidth(storage_path, block_size, keep=keep_probe) if measure_io
                     else None},
-        "gpus": gpus(), "versions": versions(),
+        "gpus": gpus(), "copy_in": copy_in_bandwidth() if measure_io else None, "versions": versions(),
     }
     t["machine_id"] = machine_id(t)
     return t

@@ -21,6 +21,7 @@ def test_env_json_measures_odirect(tmp_path):
     assert io["block_bytes"] == 65536
     assert io.get("gb_per_s_median", 0) > 0 or "error" in io  # tmpfs refuses O_DIRECT: said, not hidden
     assert t["versions"]["torch"] and t["versions"]["transformers"]
+    assert t["copy_in"]["cpu_gb_per_s"] > 0  # cg's link when the CPU is the accelerator (a GPU adds cuda_pinned)
 
 
 def test_env_rejects_tiny_block():

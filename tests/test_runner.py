@@ -172,3 +172,8 @@ def test_compare_on_cg_measures_the_resident_bound_on_the_same_accelerator(tiny_
     assert resident["platform"] == "resident" and resident["method_args"]["device"] == "cpu"
     assert "expert_type" not in resident["method_args"]  # the checkpoint's experts, as cg moves them
     assert resident["tokens"] == recs["ar"][0]["tokens"]
+    # cg's physical limit is the copy into its accelerator (here a memcpy), not the disk's read rate
+    res = json.loads(p.stdout)
+    machine = json.loads((tmp_path / "cmp" / "ar" / "manifest.json").read_text())["machine"]
+    assert res["limit_read_bw"] == machine["copy_in"]["cpu_gb_per_s"] * 1e9
+    assert res["methods"]["ar"]["physical_limit_tps"] > 0 and res["methods"]["ar-resident"]["physical_limit_tps"] is None
