@@ -12,9 +12,10 @@ from pathlib import Path
 
 from bench.results import write_json_atomic
 
-# What the paper has that this checkout cannot regenerate yet, and which capability brings it.
-PENDING = [
-    ("Table 2 cg rows", "a GPU (platform cg); on CPU, `bench compare --platform cg` runs with the CPU as the accelerator"),
+# What the paper has that this checkout cannot regenerate on a machine without a GPU, and what brings it.
+PENDING_WITHOUT_GPU = [
+    ("Table 2 cg rows", "a CUDA GPU (`make reproduce` runs them when torch sees one); on a CPU, `bench compare "
+                        "--platform cg --device cpu` runs them with the CPU as the accelerator"),
 ]
 
 
@@ -59,10 +60,11 @@ def fig1b_runs(results_dir: Path, log, per_suite: int = FIG1B_PER_SUITE, tokens:
     return ["results/runs/fig1b-*", "results/fig1b_breakdown.md", *[str(p.relative_to(results_dir.parent)) for p in figs]]
 
 
-def _compare_on_mn(results_dir: Path, log, model: str, per_suite: int, tokens: int, method_set: str,
-                   engine: str = "torch") -> dict:
+def _compare_set(results_dir: Path, log, model: str, per_suite: int, tokens: int, method_set: str,
+                   engine: str = "torch", platform: str = "mn", device: str | None = None) -> dict:
     """One `bench compare` set for a tiny model on mn (Q4_0, K_max = 4, τ = 0.6, B = 24; resumable),
-    its per-prompt tokens dropped from the result."""
+    its per-prompt tokens dropped from the result; `platform` cg moves the checkpoint's experts from
+    host memory to `device` instead (the same round settings)."""
     import torch
 
     from bench import prompts, registry
@@ -75,13 +77,39 @@ def _compare_on_mn(results_dir: Path, log, model: str, per_suite: int, tokens: i
     torch.set_num_threads(FIG1B_THREADS)
     folder = registry.resolve(model)
     tag = "-llama.cpp" if engine == "llama.cpp" else ""
-    res = compare(model, folder, "mn", prompts.load(limit=per_suite), results_dir / "runs" / f"compare-{model}-mn{tag}",
-                  tokens, SpecOptions(round=SpecConfig(k_max=4, tau=0.6, budget=24)), "q4_0",
+    res = compare(model, folder, platform, prompts.load(limit=per_suite),
+                  results_dir / "runs" / f"compare-{model}-{platform}{tag}", tokens,
+                  SpecOptions(round=SpecConfig(k_max=4, tau=0.6, budget=24)), "q4_0",
                   lambda qt: expert_file_for(model, folder, qt, log=log), collect(expert_storage(), keep_probe=True), log=log,
-                  method_set=method_set, engine=engine)
+                  method_set=method_set, engine=engine, device=device)
     for row in res["methods"].values():
         row.pop("tokens")
     return res
+
+
+def spec_compare_cg(results_dir: Path, log, per_suite: int = FIG1B_PER_SUITE, tokens: int = FIG1B_TOKENS,
+                    models: tuple[str, ...] = TINY_MODELS, device: str = "cuda") -> list[str]:
+    """Table 2's cg rows: AR vs top-1/2/3 vs DraftExpert for each tiny model with its experts in host
+    memory and copied to the GPU on demand (the checkpoint's bf16 experts, fp32 compute), beside every
+    expert resident on the same GPU; limit TPS divides the measured copy-in rate. `device` cpu: the CPU
+    as the accelerator (what the tests run; `make reproduce` runs this step only with a GPU)."""
+    from paper_figs.spec_table import table
+
+    written = []
+    for model in models:
+        res = _compare_set(results_dir, log, model, per_suite, tokens, "table2", platform="cg", device=device)
+        de = res["methods"]["draftexpert"]["method_args"]["draft_experts"]
+        de = "untrained (zero: shared + top-1)" if de["preset"] == "zero" else f"distilled, preset {de['preset']}"
+        name = f"spec_compare_{model}_cg{'' if device == 'cuda' else '_' + device}"
+        write_json_atomic(results_dir / f"{name}.json", res)
+        (results_dir / f"{name}.md").write_text(
+            f"{model} on cg ({device}: experts in page-locked host memory, copied on demand, cold), {per_suite} prompts "
+            f"per suite, {tokens} new tokens, greedy, K_max = 4, τ = 0.6, B = 24, fp32 compute; DraftExpert's draft "
+            f"experts: {de}. `ar-resident`: every expert resident on the same {device} (the upper bound); limit TPS = "
+            f"the measured copy-in rate ({(res['limit_read_bw'] or 0) / 1e9:.1f} GB/s) ÷ bytes moved per token. "
+            f"Tokens equal AR: {res['tokens_equal_ar']}.\n\n" + table(res) + "\n")
+        written += [f"results/runs/compare-{model}-cg/*", f"results/{name}.md", f"results/{name}.json"]
+    return written
 
 
 def spec_compare(results_dir: Path, log, per_suite: int = FIG1B_PER_SUITE, tokens: int = FIG1B_TOKENS,
@@ -93,7 +121,7 @@ def spec_compare(results_dir: Path, log, per_suite: int = FIG1B_PER_SUITE, token
     written = []
     tag = "_llama.cpp" if engine == "llama.cpp" else ""
     for model in models:
-        res = _compare_on_mn(results_dir, log, model, per_suite, tokens, "table2", engine=engine)
+        res = _compare_set(results_dir, log, model, per_suite, tokens, "table2", engine=engine)
         de = res["methods"]["draftexpert"]["method_args"]["draft_experts"]
         de = ("untrained (zero: shared + top-1)" if de["preset"] == "zero"
               else f"distilled, preset {de['preset']} ({de['file']})")
@@ -180,7 +208,7 @@ def table4(results_dir: Path, log, per_suite: int = FIG1B_PER_SUITE, tokens: int
     where = "through llama.cpp (Q4_0 GGUF, whole experts staged on demand from the router tap)" \
         if engine == "llama.cpp" else "(Q4_0 experts from flash, cold)"
     for model in models:
-        res = _compare_on_mn(results_dir, log, model, per_suite, tokens, "table4", engine=engine)
+        res = _compare_set(results_dir, log, model, per_suite, tokens, "table4", engine=engine)
         write_json_atomic(results_dir / f"table4_{model}_mn{tag}.json", res)
         (results_dir / f"table4_{model}_mn{tag}.md").write_text(
             f"{model} on mn {where}, {per_suite} prompts per suite, {tokens} new tokens, "
@@ -199,7 +227,7 @@ def fig3(results_dir: Path, log, per_suite: int = FIG1B_PER_SUITE, tokens: int =
 
     written = []
     for model in models:
-        res = _compare_on_mn(results_dir, log, model, per_suite, tokens, "fig3")  # the set fixes K = 8
+        res = _compare_set(results_dir, log, model, per_suite, tokens, "fig3")  # the set fixes K = 8
         curves = {label.removesuffix("-k8"): row["draft_unique_curve"] for label, row in res["methods"].items()
                   if label != "ar"}
         (results_dir / f"fig3_{model}_mn.md").write_text(
@@ -421,8 +449,15 @@ def reproduce(results_dir: Path, log=lambda m: print(m, file=sys.stderr), per_su
         done += table1(results_dir, log)
     else:
         log(f"Fig. 1b skipped: {FIG1B_MODEL} is not present")
-    for item, needs in PENDING:
+    import torch
+
+    pending = PENDING_WITHOUT_GPU
+    if torch.cuda.is_available() and registry.is_present(FIG1B_MODEL):
+        log("Table 2 (cg rows) on the GPU: AR vs shared+top-r vs DraftExpert, " + ", ".join(models))
+        done += spec_compare_cg(results_dir, log, per_suite, tokens, models=models)
+        pending = []
+    for item, needs in pending:
         log(f"pending: {item} (needs: {needs})")
-    summary = {"written": done, "pending": [{"result": i, "needs": n} for i, n in PENDING]}
+    summary = {"written": done, "pending": [{"result": i, "needs": n} for i, n in pending]}
     (results_dir / "REPRODUCE.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary

@@ -84,6 +84,23 @@ def test_reproduce_writes_fig1a_and_lists_pending(tmp_path):
     assert s["pending"]
 
 
+def test_reproduce_cg_rows_put_the_resident_bound_and_the_copy_in_limit_beside_ar(tmp_path, monkeypatch):
+    """Table 2's cg rows (what `make reproduce` runs on a GPU machine), here with the CPU as the accelerator."""
+    from bench.reproduce import spec_compare_cg
+
+    monkeypatch.setenv("DRAFTEXPERT_CACHE", str(tmp_path / "cache"))
+    written = spec_compare_cg(tmp_path, lambda m: None, per_suite=1, tokens=4, models=("ds-tiny",), device="cpu")
+    assert "results/spec_compare_ds-tiny_cg_cpu.md" in written
+    res = json.loads((tmp_path / "spec_compare_ds-tiny_cg_cpu.json").read_text())
+    assert res["platform"] == "cg" and set(res["methods"]) == {"ar", "ar-resident", "top-1", "top-2", "top-3",
+                                                                 "draftexpert"}
+    assert all(res["tokens_equal_ar"].values())
+    rows = res["methods"]
+    assert rows["ar-resident"]["platform"] == "resident" and rows["ar-resident"]["method_args"]["device"] == "cpu"
+    assert rows["ar"]["loading_share"] > 0 and rows["ar-resident"]["decode_loads"] == 0
+    assert rows["ar"]["physical_limit_tps"] > 0 and "copy-in rate" in (tmp_path / "spec_compare_ds-tiny_cg_cpu.md").read_text()
+
+
 def test_a_staging_the_engine_lacks_is_refused_by_name(tmp_path):
     for engine, staging in (("torch", "pagefault"), ("llama.cpp", "odirect")):
         p = run_bench("run", "--model", "ds-tiny", "--method", "ar", "--engine", engine, "--staging", staging,
