@@ -87,55 +87,42 @@ def _compare_set(results_dir: Path, log, model: str, per_suite: int, tokens: int
     return res
 
 
-def spec_compare_cg(results_dir: Path, log, per_suite: int = FIG1B_PER_SUITE, tokens: int = FIG1B_TOKENS,
-                    models: tuple[str, ...] = TINY_MODELS, device: str = "cuda") -> list[str]:
-    """Table 2's cg rows: AR vs top-1/2/3 vs DraftExpert for each tiny model with its experts in host
-    memory and copied to the GPU on demand (the checkpoint's bf16 experts, fp32 compute), beside every
-    expert resident on the same GPU; limit TPS divides the measured copy-in rate. `device` cpu: the CPU
-    as the accelerator (what the tests run; `make reproduce` runs this step only with a GPU)."""
-    from paper_figs.spec_table import table
-
-    written = []
-    for model in models:
-        res = _compare_set(results_dir, log, model, per_suite, tokens, "table2", platform="cg", device=device)
-        de = res["methods"]["draftexpert"]["method_args"]["draft_experts"]
-        de = "untrained (zero: shared + top-1)" if de["preset"] == "zero" else f"distilled, preset {de['preset']}"
-        name = f"spec_compare_{model}_cg{'' if device == 'cuda' else '_' + device}"
-        write_json_atomic(results_dir / f"{name}.json", res)
-        (results_dir / f"{name}.md").write_text(
-            f"{model} on cg ({device}: experts in page-locked host memory, copied on demand, cold), {per_suite} prompts "
-            f"per suite, {tokens} new tokens, greedy, K_max = 4, τ = 0.6, B = 24, fp32 compute; DraftExpert's draft "
-            f"experts: {de}. `ar-resident`: every expert resident on the same {device} (the upper bound); limit TPS = "
-            f"the measured copy-in rate ({(res['limit_read_bw'] or 0) / 1e9:.1f} GB/s) ÷ bytes moved per token. "
-            f"Tokens equal AR: {res['tokens_equal_ar']}.\n\n" + table(res) + "\n")
-        written += [f"results/runs/compare-{model}-cg/*", f"results/{name}.md", f"results/{name}.json"]
-    return written
-
-
 def spec_compare(results_dir: Path, log, per_suite: int = FIG1B_PER_SUITE, tokens: int = FIG1B_TOKENS,
-                 engine: str = "torch", models: tuple[str, ...] = TINY_MODELS) -> list[str]:
-    """Table 2 / 3 on mn: AR vs top-1/2/3 vs DraftExpert for each tiny model, Q4_0 (resumable), on
-    the torch engine or llama.cpp (the same prompts, expert file and method settings)."""
+                 engine: str = "torch", models: tuple[str, ...] = TINY_MODELS, platform: str = "mn",
+                 device: str | None = None) -> list[str]:
+    """Table 2 / 3: AR vs top-1/2/3 vs DraftExpert for each tiny model (resumable). mn: Q4_0, on the
+    torch engine or llama.cpp (the same prompts, expert file and method settings); cg: the checkpoint's
+    experts in host memory, copied to `device` on demand (fp32 compute), beside every expert resident on
+    the same device — `make reproduce` runs it on a GPU; `device` cpu (the CPU as the accelerator) is
+    what the tests run."""
     from paper_figs.spec_table import table
 
     written = []
-    tag = "_llama.cpp" if engine == "llama.cpp" else ""
+    engine_tag = "_llama.cpp" if engine == "llama.cpp" else ""
+    tag = engine_tag + ("_cpu" if platform == "cg" and device == "cpu" else "")
     for model in models:
-        res = _compare_set(results_dir, log, model, per_suite, tokens, "table2", engine=engine)
+        res = _compare_set(results_dir, log, model, per_suite, tokens, "table2", engine=engine, platform=platform,
+                           device=device)
         de = res["methods"]["draftexpert"]["method_args"]["draft_experts"]
         de = ("untrained (zero: shared + top-1)" if de["preset"] == "zero"
               else f"distilled, preset {de['preset']} ({de['file']})")
-        where = ("(Q4_0 experts from flash with O_DIRECT, whole experts on demand, cold)" if engine == "torch" else
-                 f"through llama.cpp (Q4_0 GGUF, experts staged from storage: {res['methods']['ar']['method_args']['staging']})")
-        write_json_atomic(results_dir / f"spec_compare_{model}_mn{tag}.json", res)
-        (results_dir / f"spec_compare_{model}_mn{tag}.md").write_text(
-            f"{model} on mn {where}, {per_suite} prompts per suite, "
+        bw = (res["limit_read_bw"] or 0) / 1e9
+        if platform == "cg":
+            where = f"({device or 'cuda'}: experts in page-locked host memory, copied on demand, cold; fp32 compute)"
+            bound, limit = f" on the same {device or 'cuda'}", f"the measured copy-in rate ({bw:.1f} GB/s)"
+        else:
+            where = ("(Q4_0 experts from flash with O_DIRECT, whole experts on demand, cold)" if engine == "torch" else
+                     f"through llama.cpp (Q4_0 GGUF, experts staged from storage: {res['methods']['ar']['method_args']['staging']})")
+            bound, limit = "", f"the storage's measured read bandwidth ({bw:.2f} GB/s, O_DIRECT)"
+        name = f"spec_compare_{model}_{platform}{tag}"
+        write_json_atomic(results_dir / f"{name}.json", res)
+        (results_dir / f"{name}.md").write_text(
+            f"{model} on {platform} {where}, {per_suite} prompts per suite, "
             f"{tokens} new tokens, greedy, K_max = 4, τ = 0.6, B = 24, {FIG1B_THREADS} thread; DraftExpert's draft "
-            f"experts: {de}. `ar-resident`: AR with every expert resident (the upper bound); limit TPS = the "
-            f"storage's measured read bandwidth ({(res['limit_read_bw'] or 0) / 1e9:.2f} GB/s, O_DIRECT) ÷ bytes "
-            f"moved per token. Tokens equal AR: {res['tokens_equal_ar']}.\n\n" + table(res) + "\n")
-        written += [f"results/runs/compare-{model}-mn{tag.replace('_', '-')}/*", f"results/spec_compare_{model}_mn{tag}.md",
-                    f"results/spec_compare_{model}_mn{tag}.json"]
+            f"experts: {de}. `ar-resident`: AR with every expert resident{bound} (the upper bound); limit TPS = "
+            f"{limit} ÷ bytes moved per token. Tokens equal AR: {res['tokens_equal_ar']}.\n\n" + table(res) + "\n")
+        written += [f"results/runs/compare-{model}-{platform}{engine_tag.replace('_', '-')}/*", f"results/{name}.md",
+                    f"results/{name}.json"]
     return written
 
 
@@ -454,7 +441,7 @@ def reproduce(results_dir: Path, log=lambda m: print(m, file=sys.stderr), per_su
     pending = PENDING_WITHOUT_GPU
     if torch.cuda.is_available() and registry.is_present(FIG1B_MODEL):
         log("Table 2 (cg rows) on the GPU: AR vs shared+top-r vs DraftExpert, " + ", ".join(models))
-        done += spec_compare_cg(results_dir, log, per_suite, tokens, models=models)
+        done += spec_compare(results_dir, log, per_suite, tokens, models=models, platform="cg", device="cuda")
         pending = []
     for item, needs in pending:
         log(f"pending: {item} (needs: {needs})")

@@ -178,34 +178,34 @@ def distill_rows(a, bench: list[str], ckpt: Path, cap, env: dict, log) -> list[d
     rows = []
     for what, cmd in cmds:
         log(f"== q4_0 torch {what}")
-        r = run_child(cmd, cap, env, a.dir / "scratch")
-        row = {"type": "q4_0", "engine": "torch", "method": what, "args": "", "rc": r["rc"],
-               "seconds": round(r["seconds"], 1), "peak_rss_gib": round(r["peak_rss"] / 2**30, 2),
-               "group_peak_gib": r["group_peak"] and round(r["group_peak"] / 2**30, 2)}
-        if r["rc"] == 0 and what == "distill":
-            d = json.loads(r["stdout"])
-            row.update(steps=d["steps"], s_per_step=round(d["train_seconds"] / max(1, d["steps"]), 1))
-        elif r["rc"] == 0:
-            rec = json.loads(r["stdout"])["records"][0]
-            row.update(tok_s=rec["decode_tps"], loading_share=rec.get("loading_share"), new_tokens=rec["new_tokens"])
-        else:
-            row["error"] = r["stderr"].strip().splitlines()[-1:] or ["(killed)"]
+        row = run_row(cmd, cap, env, a.dir / "scratch", log, distill_stats if what == "distill" else record_stats,
+                      type="q4_0", engine="torch", method=what, args="")
+        row.pop("tokens", None)
         rows.append(row)
-        log(json.dumps(row))
-        if r["rc"]:
+        if row["rc"]:
             break
     return rows
 
 
-def run_row(cmd: list[str], cap, env: dict, scratch: Path, log, **tags) -> dict:
-    """One `bench run` in the cap: a row of wall seconds, peaks, tok/s, loading share (and its tokens)."""
+def record_stats(stdout: str) -> dict:
+    """What a row keeps of `bench run --json`: its one record's speed, loading share and tokens."""
+    rec = json.loads(stdout)["records"][0]
+    return {"tok_s": rec["decode_tps"], "loading_share": rec.get("loading_share"), "new_tokens": rec["new_tokens"],
+            "tokens": rec["tokens"]}
+
+
+def distill_stats(stdout: str) -> dict:
+    d = json.loads(stdout)
+    return {"steps": d["steps"], "s_per_step": round(d["train_seconds"] / max(1, d["steps"]), 1)}
+
+
+def run_row(cmd: list[str], cap, env: dict, scratch: Path, log, stats=record_stats, **tags) -> dict:
+    """One command in the cap: a row of wall seconds, peaks and `stats` of its JSON output (or its error)."""
     r = run_child(cmd, cap, env, scratch)
     row = {**tags, "rc": r["rc"], "seconds": round(r["seconds"], 1), "peak_rss_gib": round(r["peak_rss"] / 2**30, 2),
            "group_peak_gib": r["group_peak"] and round(r["group_peak"] / 2**30, 2)}
     if r["rc"] == 0:
-        rec = json.loads(r["stdout"])["records"][0]
-        row.update(tok_s=rec["decode_tps"], loading_share=rec.get("loading_share"), new_tokens=rec["new_tokens"],
-                   tokens=rec["tokens"])
+        row.update(stats(r["stdout"]))
     else:
         row["error"] = r["stderr"].strip().splitlines()[-3:] or ["(killed)"]
     log(json.dumps({k: v for k, v in row.items() if k != "tokens"}))

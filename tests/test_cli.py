@@ -86,10 +86,11 @@ def test_reproduce_writes_fig1a_and_lists_pending(tmp_path):
 
 def test_reproduce_cg_rows_put_the_resident_bound_and_the_copy_in_limit_beside_ar(tmp_path, monkeypatch):
     """Table 2's cg rows (what `make reproduce` runs on a GPU machine), here with the CPU as the accelerator."""
-    from bench.reproduce import spec_compare_cg
+    from bench.reproduce import spec_compare
 
     monkeypatch.setenv("DRAFTEXPERT_CACHE", str(tmp_path / "cache"))
-    written = spec_compare_cg(tmp_path, lambda m: None, per_suite=1, tokens=4, models=("ds-tiny",), device="cpu")
+    written = spec_compare(tmp_path, lambda m: None, per_suite=1, tokens=4, models=("ds-tiny",), platform="cg",
+                           device="cpu")
     assert "results/spec_compare_ds-tiny_cg_cpu.md" in written
     res = json.loads((tmp_path / "spec_compare_ds-tiny_cg_cpu.json").read_text())
     assert res["platform"] == "cg" and set(res["methods"]) == {"ar", "ar-resident", "top-1", "top-2", "top-3",
