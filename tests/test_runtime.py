@@ -119,18 +119,18 @@ def test_demand_staging_reads_every_expert_whole_and_leaves_nothing_cached(check
     file.read_expert_cached = lambda layer, e: (events.append(("read", layer, e)), read(layer, e))[1]  # noqa: E731
     lean.experts.fetch(1, [3, 5, 7])
     assert events == [("advise", 1, e) for e in (3, 5, 7)] + [("read", 1, e) for e in (3, 5, 7)]
-    assert pages.expert_pages(pages.snapshot()) > 0  # read through the page cache ...
+    assert pages.cached_pages() > 0  # read through the page cache ...
     lean.experts.end_forward()
-    assert pages.expert_pages(pages.snapshot()) == 0  # ... and dropped after the step
+    assert pages.cached_pages() == 0  # ... and dropped after the step
     AROffloadDecoder(TorchEngine(lean)).generate(PROMPTS[1].tolist(), 4)
-    assert pages.expert_pages(pages.snapshot()) == 0
+    assert pages.cached_pages() == 0
     lean.experts.begin_block()
     lean.experts.prefetch(2, [1, 2, 3])  # readahead nothing will wait for
     lean.experts.end_block()
-    assert pages.expert_pages(pages.snapshot()) == 0 and not lean.experts.inflight
+    assert pages.cached_pages() == 0 and not lean.experts.inflight
     path = make_draft_path(lean, "top-r", r=1)
     SpeculativeDecoder(TorchEngine(lean, path), SpecConfig(k_max=3)).generate(PROMPTS[1].tolist(), 8)
-    assert pages.expert_pages(pages.snapshot()) == 0
+    assert pages.cached_pages() == 0
     pages.close()
     lean.experts.close()
 
