@@ -419,6 +419,9 @@ class FlashStore(ExpertStore):
         """Read (the staged DRAM copy, else from the file) and decode one expert; on a reader
         thread ("odirect") or the forward's ("demand"). Decoding returns the staging buffer at
         once: a reader holds at most one."""
+        if self.kernel == "ggml" and self.pool is None and staged is None and self.budget == 0:
+            out = None if self.buffers is None else self.buffers.take((self.file.expert_nbytes(key[0]),), torch.uint8)
+            return self.file.read_quantized(*key, out=out), None  # page cache → the tensor, no staging copy
         if staged is not None:
             raw = staged
         else:

@@ -407,6 +407,28 @@ class ExpertFile:
             self.release(raw)
         return out[:n_gu].view(gu_rows, cols), out[n_gu:].view(down_shape)
 
+    def read_quantized(self, layer: int, e: int, out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`quantized(read_expert_cached(layer, e))` without the staging buffer: buffered reads of
+        the two ranges straight into `out` (uint8, `expert_nbytes`; new if None) — one copy of the
+        bytes (page cache → tensor) instead of two."""
+        gu, d = (self.slices[(layer, p)] for p in PARTS)
+        if gu.qtype != "q4_0":
+            raise ExpertFileError(f"{self.path}: the ggml expert kernel takes Q4_0 experts, this file holds {gu.qtype}")
+        (gu_shape, dn_shape), n = self.raw_shapes(layer), gu.nbytes + d.nbytes
+        if out is None:
+            out = torch.empty(n, dtype=torch.uint8)
+        view = memoryview(out.numpy())
+        try:
+            at = 0
+            for part, (off, nbytes) in zip(PARTS, self.ranges(layer, e)):
+                if os.preadv(self.fd_cached, [view[at:at + nbytes]], off) < nbytes:
+                    raise ExpertFileError(f"{self.path}: short read of {part} expert {e} of layer {layer} "
+                                          f"at byte {off:,}: file truncated?")
+                at += nbytes
+        finally:
+            view.release()
+        return out[:gu.nbytes].view(gu_shape), out[gu.nbytes:n].view(dn_shape)
+
     def raw_shapes(self, layer: int) -> tuple[tuple[int, int], tuple[int, int]]:
         """Shapes of `quantized`'s pair: one row of file bytes per matrix row."""
         gu, d = (self.slices[(layer, p)] for p in PARTS)
