@@ -287,3 +287,21 @@ def test_cli_runs_the_engine_and_names_bad_flags(tmp_path):
     assert p.returncode == 2 and "--platform" in p.stderr and "llama.cpp" in p.stderr
     p = run_bench("crosscheck", "--model", "ds-tiny", "--type", "q4_0", env=env)
     assert p.returncode == 2 and "--type" in p.stderr
+
+
+def test_a_failing_load_hook_fails_the_eval(ckpt):
+    """An exception in the router hook (a failed read, a bug) cannot cross llama.cpp's C callback:
+    the eval stops and raises it, instead of decoding on without the experts it staged."""
+    head, _ = model_files(ckpt, "f32")
+    lm = LlamaModel(head, 256, 1)
+
+    def hook(layer, experts):
+        raise OSError(5, "the expert file could not be read")
+
+    lm.on_route = hook
+    with pytest.raises(OSError, match="could not be read"):
+        lm.eval(PROMPTS[0])
+    lm.on_route = None
+    lm.reset()
+    assert lm.eval(PROMPTS[0]).shape[0] == len(PROMPTS[0])  # the model is usable again
+    lm.close()
