@@ -296,7 +296,7 @@ def _make_torch_decoder(model, folder, method, platform, expert_type, cache_expe
     from draftexpert.runtime.ggml_kernel import resolve_kernel
 
     from_file = store == "flash" or (store == "resident" and resident_from_file)
-    kernel = resolve_kernel(expert_kernel, expert_type if from_file else None, device, compile)
+    kernel = resolve_kernel(expert_kernel, expert_type if from_file else None, device)
     gguf = expert_file(expert_type) if from_file else None
     target = build_model(folder, store, device=device, dtype=torch_dtype, gguf_path=gguf, cache_experts=cache_experts,
                          staging_budget_bytes=staging_budget, working_set_bytes=working_set, staging=staging,

@@ -114,7 +114,7 @@ def test_unsupported_routing_is_refused():
 
 
 def _host_model(hf):
-    """The lean model over a HostStore: the compiled step keeps the store round trip (split graphs)."""
+    """The lean model over a HostStore: the compiled step fetches through the store (in its op)."""
     from draftexpert.runtime.experts import HostStore
     from draftexpert.runtime.model import MoEModel
 
@@ -127,8 +127,8 @@ def _host_model(hf):
 @pytest.mark.parametrize("store", ["resident", "host"])
 @pytest.mark.parametrize("case", ["v2-yarn-qlora", "v3-bias"])
 def test_compiled_decode_step_matches_eager(case, store):
-    """compile_decode(): the one-token step through torch.compile (resident: one fused graph; host:
-    graphs around the store's fetch) gives the eager step's logits (1e-4), experts and greedy
+    """compile_decode(): the one-token step through torch.compile (one graph; resident experts indexed
+    in it, host experts through the store in the op) gives the eager step's logits (1e-4), experts, loads and greedy
     tokens, also on draft paths (top-2, DraftExpert) and after a crop (speculation's pattern)."""
     from draftexpert.speculation.drafters import DraftExperts, draftexpert, top_r
 
@@ -136,7 +136,7 @@ def test_compiled_decode_step_matches_eager(case, store):
     hf = CASES[case]().eval()
     make = from_hf_model if store == "resident" else _host_model
     eager, compiled = make(hf), make(hf).compile_decode()
-    assert ("step" in compiled._compiled) == (store == "resident")
+    assert compiled._indexed == (store == "resident")
     moe = [i for i in range(eager.cfg.layers) if eager.cfg.is_moe(i)]
     de = DraftExperts.random(moe, eager.cfg.hidden, 24, seed=3, std=0.1)
     paths = {2: top_r(2, eager.cfg.top_k), 5: draftexpert(eager, de)}
@@ -151,6 +151,8 @@ def test_compiled_decode_step_matches_eager(case, store):
         lc = compiled.forward(torch.tensor([tok]), cc, path=compiled_paths.get(step % 6))
         assert (le - lc).abs().max() < 1e-4
         assert eager.last_fetched == compiled.last_fetched
+        fe, fc = eager.experts.ledger.forwards[-1], compiled.experts.ledger.forwards[-1]
+        assert (fe.requested, fe.loads, fe.bytes) == (fc.requested, fc.loads, fc.bytes)
         if step == 6:
             ce.crop(ce.length - 3), cc.crop(cc.length - 3)
         tok = int(le[-1].argmax())

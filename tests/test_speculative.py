@@ -321,12 +321,27 @@ def test_ggml_expert_kernel_is_exact(ggml_models, name):
 
 
 def test_ggml_expert_kernel_refuses_what_it_cannot_compute(ggml_models, odirect_dir):
-    """Only Q4_0 experts (an f32 file is refused before loading), and no torch.compile of its C call."""
+    """Only Q4_0 experts (an f32 file is refused before loading)."""
     from draftexpert.runtime.ggml_kernel import KernelError
 
     folder = ggml_models["folder"]
     f32 = convert_experts(folder, odirect_dir / f"{folder.name}-f32.gguf", "f32")
     with pytest.raises(KernelError, match="f32 experts"):
         build_model(folder, "flash", gguf_path=f32, kernel="ggml")
-    with pytest.raises(ValueError, match="do not combine"):
-        ggml_models["flash"].compile_decode()
+
+
+def test_compiled_step_with_the_ggml_kernel_is_exact(ggml_models, odirect_dir):
+    """--compile with the ggml expert kernel: the compiled one-token step (experts through the op
+    `draftexpert::routed_experts`, outside the graph) gives the eager flash model's AR tokens and
+    loads, and DraftExpert on it still emits exactly those tokens (its verify runs eager)."""
+    folder, eager = ggml_models["folder"], ggml_models["flash"]
+    compiled = build_model(folder, "flash", dtype=torch.float64, gguf_path=odirect_dir / f"{folder.name}.gguf",
+                           kernel="ggml").compile_decode()
+    ids = prompt(0, 9)
+    ref = ar_tokens(eager, ids)
+    loads = eager.experts.ledger.summary()["total"]["loads"]
+    assert ar_tokens(compiled, ids) == ref
+    assert compiled.experts.ledger.summary()["total"]["loads"] == loads
+    cfg = SpecConfig(k_max=4, truncate=True, prefetch=True, tau=0.9, budget=2)
+    assert speculative(compiled, drafter(compiled, "de-random"), cfg).generate(ids, 24).tokens == ref
+    compiled.experts.close()

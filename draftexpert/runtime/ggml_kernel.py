@@ -174,15 +174,13 @@ def available() -> bool:
     return True
 
 
-def resolve_kernel(kernel: str, expert_type: str | None, device: str, compiled: bool = False) -> str:
+def resolve_kernel(kernel: str, expert_type: str | None, device: str) -> str:
     """`--expert-kernel` → the kernel a torch run uses. "auto": ggml for Q4_0 experts from a file on a
-    CPU accelerator (where it applies and llama-cpp-python is installed; not with --compile), else
-    dequant. An explicit choice that does not apply is refused."""
+    CPU accelerator (where it applies and llama-cpp-python is installed), else dequant. An explicit
+    choice that does not apply is refused. (With --compile the kernel runs inside the op
+    `draftexpert::routed_experts`, outside the compiled graph.)"""
     if kernel == "auto":
-        use = expert_type == "q4_0" and torch.device(device).type == "cpu" and not compiled and available()
+        use = expert_type == "q4_0" and torch.device(device).type == "cpu" and available()
         return "ggml" if use else "dequant"
     check_kernel(kernel, expert_type, device)
-    if kernel == "ggml" and compiled:
-        raise KernelError("--compile and --expert-kernel ggml do not combine (torch.compile cannot trace the C "
-                          "call); drop one")
     return kernel

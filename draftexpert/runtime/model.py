@@ -13,7 +13,8 @@ qk_nope / qk_rope / v head dims, E routed experts, I = moe_intermediate_size.
   correction bias choose (group-limited), the un-biased scores weigh, normalised over the chosen
   r when `norm_topk_prob`, times the scale. `router_logits` taps its input (eager forwards).
 - **One layer** (`pre_ffn` = attention + norms + routing, `mix` / `moe`, `head`) that the eager
-  forward runs and `compile_decode` compiles: attention always writes rows `pos` of the
+  forward runs and `compile_decode` compiles into one graph per step (offloaded experts through
+  the op `draftexpert::routed_experts`, outside the graph): attention always writes rows `pos` of the
   preallocated cache and masks keys past each row's position, so the same code serves a
   variable-length eager forward and the static-shape compiled step.
 - **Routed experts come from an `ExpertStore`** (`draftexpert.runtime.experts`): the model never knows
@@ -23,7 +24,9 @@ qk_nope / qk_rope / v head dims, E routed experts, I = moe_intermediate_size.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -204,7 +207,8 @@ class MoEModel:
         self.last_routing: dict[int, torch.Tensor] = {}
         self.last_fetched: dict[int, list[int]] = {}
         self.router_logits: dict[int, torch.Tensor] | None = None  # set to {} to tap router logits [T, E] (eager)
-        self._compiled: dict | None = None  # compile_decode()
+        self._compiled = None  # the compiled one-token step (compile_decode())
+        self._indexed = False  # whether it indexes resident experts in the graph (else: the store, in the op)
         self._cos = self._sin = torch.empty(0, c.d_rope // 2)  # rope tables, grown on demand
 
     def rope_tables(self, start: int, T: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -331,7 +335,7 @@ class MoEModel:
             raise ValueError(f"KV cache full: {cache.length} + {T} > {cache.max_len}")
         with self.experts.ledger.forward(phase, T):
             if T == 1 and self._compiled is not None:
-                logits = self._decode_compiled(ids, cache, path, phase)
+                logits = self._decode_compiled(ids, cache, path)
             else:
                 logits = self._forward(ids, cache, path, phase)
             self.experts.end_forward()
@@ -365,18 +369,24 @@ class MoEModel:
     # -- compiled one-token step ------------------------------------------------------------
 
     def compile_decode(self) -> MoEModel:
-        """Compile the one-token step with `torch.compile` (static shapes): the same `pre_ffn`,
-        `mix` and `head` as the eager forward, attending over the whole preallocated cache. Offloaded
-        stores: per layer (a) `pre_ffn` (attention + norms + routing) and (b) `mix`, with the store
-        in Python between them, so loads, prefetch and the ledger are those of the eager path.
-        Resident store: the whole step is one graph (`step`: nothing moves, so there is no store
-        round trip to keep), the chosen experts indexed inside the kernels (`routed_indexed`) —
-        measured 4.2–4.5 vs 4.4–4.8 ms/token split (ds-tiny, 1 thread), 3.5 vs 4.8 (2 threads).
-        Multi-token forwards (prefill, verify) stay eager. Costs ~20 s of compilation the first
-        time each shape is seen (then cached by inductor on disk)."""
+        """Compile the one-token step with `torch.compile` (static shapes): one graph per step, the
+        same `pre_ffn`, `mlp` and `head` as the eager forward, attending over the whole preallocated
+        cache. The routed experts: resident, indexed inside the kernels (`routed_indexed`);
+        offloaded, through the store in the op `draftexpert::routed_experts` (`routed_experts`),
+        which the graph calls as an opaque function — its loads, prefetch hits, ledger and expert
+        kernel (the ggml one included) are the eager path's. One graph instead of two per layer
+        around the store (the first version): dynamo's guards and the graph boundaries cost more
+        than the fusion gained there (ds-tiny flash, 1 thread: ~0.2 ms/token gained split, ~0.8
+        one graph). Multi-token forwards (prefill, verify) stay eager. Costs ~20 s of compilation
+        the first time each shape is seen (then cached by inductor on disk)."""
+        store = self.experts
+        # resident fp experts are indexed in the graph; offloaded ones, and Q4_0 blocks for the ggml
+        # kernel (`--expert-kernel ggml`), go through the store in the op
+        self._indexed = isinstance(store, ResidentStore) and all(t.dtype.is_floating_point for t in store.gate_up.values())
+        offloaded, handle = not self._indexed, _MODELS.add(self)
 
         def step(tok, layers, shared, r, gate_ups, downs, c_kvs, k_pes, pos, keys, cos, sin):
-            """The whole one-token step, every expert resident."""
+            """The whole one-token step: x [1, H] through every layer, logits [1, V] and the routing."""
             x = self.embed[tok]  # [1, H]
             routing = []
             for i, L in enumerate(layers):
@@ -385,55 +395,76 @@ class MoEModel:
                     x = x + self.mlp(h, L["dense_gate_up"], L["dense_down"])
                     continue
                 routing.append(idx)
-                x = x + self.mlp(h, *shared[i]) + self.routed_indexed(h, w[0, :r], idx[0, :r], gate_ups[i], downs[i])
+                if offloaded:  # x + (shared + Σ_k w_k e_k(h)), summed in `mix`'s order
+                    x = x + torch.ops.draftexpert.routed_experts(self.mlp(h, *shared[i]), h, w[0, :r], idx[0, :r],
+                                                                 handle, i)
+                else:
+                    x = x + self.mlp(h, *shared[i]) + self.routed_indexed(h, w[0, :r], idx[0, :r], gate_ups[i], downs[i])
             return self.head(x), routing
 
-        if getattr(self.experts, "kernel", "dequant") == "ggml" or any(
-                t.dtype == torch.uint8 for t in getattr(self.experts, "gate_up", {}).values()):
-            raise ValueError("--compile and --expert-kernel ggml do not combine: the ggml kernel is a C call "
-                             "torch.compile cannot trace; use one or the other")
-        compile_ = lambda f: torch.compile(f, dynamic=False)  # noqa: E731
-        self._compiled = {"pre_ffn": compile_(self.pre_ffn), "mix": compile_(self.mix), "head": compile_(self.head)}
-        if isinstance(self.experts, ResidentStore):  # nothing moves: one graph per step, no store round trip
-            self._compiled["step"] = compile_(step)
+        self._compiled = torch.compile(step, dynamic=False)
         return self
 
-    def _decode_compiled(self, ids, cache, path, phase):
-        f, start = self._compiled, cache.length
+    def _decode_compiled(self, ids, cache, path):
+        """The compiled step (`compile_decode`); taps set as the eager forward sets them; the ledger
+        by the store's fetches (in the op) or as `fetch` would record resident experts (no loads)."""
+        c, store = self.cfg, self.experts
+        start = cache.length
         cos, sin = self.rope_tables(start, 1)
         pos, keys = cache.positions[start:start + 1], cache.positions  # every row: static shapes
-        if "step" in f:
-            return self._step_resident(ids, cache, path, pos, keys, cos, sin)
-        x = self.embed[ids.to(self.embed.device)]
-        no_experts = x.new_zeros(0)
-        for i, L in enumerate(self.layers):
-            x, h, _, w, idx = f["pre_ffn"](L, x, cache.c_kv[i], cache.k_pe[i], pos, keys, cos, sin)
-            if idx is None:
-                x = f["mix"](x, h, L["dense_gate_up"], L["dense_down"], no_experts, [])
-                continue
-            (gate_up, down), w, idx = self.moe_experts(i, w, idx, path)
-            chosen = idx[0].tolist()
-            self.last_fetched[i] = chosen
-            x = f["mix"](x, h, gate_up, down, w[0], self.experts.fetch(i, chosen, phase))
-        return f["head"](x)
-
-    def _step_resident(self, ids, cache, path, pos, keys, cos, sin):
-        """The fused step (`compile_decode`); taps and ledger as the store's `fetch` would set them
-        (requested = the experts run, no loads)."""
-        c, store = self.cfg, self.experts
         moe = [i for i in range(c.layers) if c.is_moe(i)]
         r = c.top_k if path is None else path.r
         shared = [None if not c.is_moe(i) else path.shared_for(i, L) if path is not None
                   else (L["shared_gate_up"], L["shared_down"]) for i, L in enumerate(self.layers)]
-        gate_ups = [store.gate_up.get(i) for i in range(c.layers)]
-        downs = [store.down.get(i) for i in range(c.layers)]
-        logits, routing = self._compiled["step"](ids.to(self.embed.device), self.layers, shared, r, gate_ups, downs,
-                                                 cache.c_kv, cache.k_pe, pos, keys, cos, sin)
+        gate_ups = [store.gate_up.get(i) for i in range(c.layers)] if self._indexed else []
+        downs = [store.down.get(i) for i in range(c.layers)] if self._indexed else []
+        logits, routing = self._compiled(ids.to(self.embed.device), self.layers, shared, r, gate_ups, downs,
+                                         cache.c_kv, cache.k_pe, pos, keys, cos, sin)
         for i, idx in zip(moe, routing):
             self.last_routing[i] = idx
-            self.last_fetched[i] = idx[0, :r].tolist()
-            store.ledger.record(i, r, 0, 0, 0.0)
+            if self._indexed:
+                self.last_fetched[i] = idx[0, :r].tolist()
+                store.ledger.record(i, r, 0, 0, 0.0)
         return logits
+
+
+class _Registry:
+    """Live models by a small int: what `draftexpert::routed_experts` receives instead of the model."""
+
+    def __init__(self):
+        self._models: weakref.WeakValueDictionary[int, MoEModel] = weakref.WeakValueDictionary()
+        self._next = 0
+
+    def add(self, model: MoEModel) -> int:
+        self._next += 1
+        self._models[self._next] = model
+        return self._next
+
+    def __getitem__(self, handle: int) -> MoEModel:
+        return self._models[handle]
+
+
+_MODELS = _Registry()
+
+
+@torch.library.custom_op("draftexpert::routed_experts", mutates_args=())
+def routed_experts(out: torch.Tensor, h: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, model: int,
+                   layer: int) -> torch.Tensor:
+    """out + Σ_k w_k · expert_k(h) for one token (out, h [1, H]; w, idx [r]), the experts fetched from
+    model `model`'s store as they land (`MoEModel.mix` without its residual) — the compiled step's
+    one call out of the graph per MoE layer; sets the model's `last_fetched` tap."""
+    m = _MODELS[model]
+    chosen = idx.tolist()  # the layer's one host sync: what to fetch
+    m.last_fetched[layer] = chosen
+    acc = out
+    for k, (gate_up, down) in enumerate(m.experts.fetch_iter(layer, chosen)):
+        acc = torch.addcmul(acc, w[k], m.mlp(h, gate_up, down))
+    return acc if acc is not out else out.clone()  # an op's output may not alias its input
+
+
+@routed_experts.register_fake
+def _(out, h, w, idx, model, layer):
+    return torch.empty_like(out)
 
 
 def from_hf_model(model) -> MoEModel:
