@@ -344,4 +344,15 @@ def test_compiled_step_with_the_ggml_kernel_is_exact(ggml_models, odirect_dir):
     assert compiled.experts.ledger.summary()["total"]["loads"] == loads
     cfg = SpecConfig(k_max=4, truncate=True, prefetch=True, tau=0.9, budget=2)
     assert speculative(compiled, drafter(compiled, "de-random"), cfg).generate(ids, 24).tokens == ref
+    # a longer sequence needs a bigger cache (a new static shape): compiled when the engine starts, not
+    # inside the decode's timing
+    from torch._dynamo.utils import counters
+
+    ar = AROffloadDecoder(TorchEngine(compiled))
+    long = prompt(1, 300)
+    ar.engine.start(ar.positions(len(long), 8))
+    assert (ar.engine.cache.max_len, id(None)) in compiled._warm and ar.engine.cache.max_len == 512
+    compiled_frames = counters["frames"]["ok"]
+    ar.generate(long, 8)
+    assert counters["frames"]["ok"] == compiled_frames
     compiled.experts.close()

@@ -385,8 +385,9 @@ class ExpertPages:
 
 # -- the engine ---------------------------------------------------------------------------
 STAGING = {  # how the routed experts reach llama.cpp (recorded in every record's method_args)
-    "demand": "whole experts staged on demand from the router tap (fadvise WILLNEED + read, all of a layer's "
-              "in flight) before the expert matmuls; split evicted at every step/round (madvise + fadvise DONTNEED)",
+    "demand": "whole experts staged on demand from the router tap (fadvise WILLNEED, all of a layer's in flight, "
+              "then MADV_POPULATE_READ into llama.cpp's mapping) before the expert matmuls; split evicted at every "
+              "step/round (madvise + fadvise DONTNEED)",
     "pagefault": "mmap page faults; expert pages evicted after every step/round (madvise + fadvise DONTNEED)",
     "resident": "every expert read into the page cache at the start, never evicted",
 }

@@ -41,6 +41,7 @@ class TorchEngine:
         n = min(self.context_length, capacity)
         self.cache = KVCache.for_model(self.model, n)
         self.draft_cache = KVCache.for_model(self.model, n) if self.own_cache else self.cache
+        self.model.warm_compiled(self.cache.max_len, [None] if self.path is None else [None, self.path])
 
     def prefill(self, ids: list[int]) -> torch.Tensor:
         return self.model.forward(torch.tensor(ids), self.cache, phase="prefill")[-1]
