@@ -340,19 +340,23 @@ class ExpertPages:
         ranges = [r for layer, e in sorted(keys) for r in self.ranges(layer, e)]
         for off, n in ranges:
             os.posix_fadvise(self.fd, off, n, POSIX_FADV_WILLNEED)
+        unwaited = ranges
         if self._populate and self._mappings:
+            unwaited = []
             for off, n in ranges:
-                first = off // PAGE * PAGE
+                first, mapped = off // PAGE * PAGE, False
                 for start, end, at in self._mappings:
-                    if at <= first and off + n <= at + end - start and \
-                            _libc.madvise(start + first - at, off + n - first, MADV_POPULATE_READ) != 0:
-                        if ctypes.get_errno() != errno.EINVAL:
-                            raise OSError(ctypes.get_errno(), f"MADV_POPULATE_READ on {self.path} failed")
-                        self._populate = False  # an older kernel: read through from now on
-            if self._populate:
-                return
+                    if at <= first and off + n <= at + end - start:
+                        if _libc.madvise(start + first - at, off + n - first, MADV_POPULATE_READ) != 0:
+                            if ctypes.get_errno() != errno.EINVAL:
+                                raise OSError(ctypes.get_errno(), f"MADV_POPULATE_READ on {self.path} failed")
+                            self._populate = False  # an older kernel: read through from now on
+                            break
+                        mapped = True
+                if not mapped:  # no mapping holds it (or the kernel refused): wait by reading it
+                    unwaited.append((off, n))
         view = memoryview(self._buf)
-        for off, n in ranges:
+        for off, n in unwaited:
             os.preadv(self.fd, [view[:n]], off)
         view.release()
 
