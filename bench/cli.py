@@ -67,6 +67,10 @@ KernelOpt = Annotated[str, typer.Option("--expert-kernel", help="torch engine, Q
                                          "it applies) | ggml (computed on the Q4_0 blocks by ggml's kernels, as "
                                          "llama.cpp does) | dequant (dequantised to the compute dtype first: the "
                                          "ablation)")]
+HeadTypeOpt = Annotated[str, typer.Option("--head-type", help="torch engine on a CPU, its non-routed weights: "
+                                          "checkpoint (as loaded, in --dtype) | q4_0 (the shared experts, dense MLPs "
+                                          "and LM head as Q4_0 blocks on ggml's kernels, as llama.cpp's Q4_0 model "
+                                          "holds them; attention stays in --dtype)")]
 CompileOpt = Annotated[bool, typer.Option("--compile", help="torch.compile the one-token decode step (static shapes; "
                                           "~20 s of compilation the first time).")]
 REPO_ROOT = registry.REPO_ROOT
@@ -386,11 +390,15 @@ def convert(model: ModelOpt = "ds-tiny",
          "\n".join(f"{k}: {v}" for k, v in files.items()) + ("\nevery file matches its checksums" if verify else ""))
 
 
-def _check_run_flags(platform: str, expert_type: str, suite: list[str] | None) -> None:
-    """--platform, --expert-type and --suite of `run` and `compare`, each named when wrong."""
+def _check_run_flags(platform: str, expert_type: str, suite: list[str] | None, head_type: str = "checkpoint") -> None:
+    """--platform, --expert-type, --suite and --head-type of `run` and `compare`, each named when wrong."""
     from bench import prompts
     from bench.decoders import PLATFORMS
     from draftexpert.runtime.gguf_experts import TYPES
+    from draftexpert.runtime.loader import HEAD_TYPES
+
+    if head_type not in HEAD_TYPES:
+        fail(f"--head-type: {head_type!r} is not one of {', '.join(HEAD_TYPES)}")
 
     if platform not in PLATFORMS:
         fail(f"--platform: {platform!r} is not one of {', '.join(PLATFORMS)}")
@@ -520,14 +528,15 @@ def _check_applicable(ctx: typer.Context, method: str, platform: str, engine: st
     if method == "reference":
         why = "to --method reference (transformers' greedy decoding, every weight resident)"
         _refuse_flags(ctx, ["temperature", "engine", "read_bw", "compile", "device", "dtype", "working_set",
-                            "expert_kernel"], why)
+                            "expert_kernel", "head_type"], why)
         _refuse_flags(ctx, ["platform", "expert_type", "cache_experts", "staging_budget", "staging", "seed"], why, warn=True)
         return
     if platform == "mn":
         _refuse_flags(ctx, ["device"], f"to --platform {platform} (it runs on the CPU here; cg is the GPU platform, "
                       "resident takes --device cuda as its upper bound)")
     if engine == "llama.cpp":
-        _refuse_flags(ctx, ["dtype", "expert_kernel"], "to --engine llama.cpp (it computes in the expert file's types)")
+        _refuse_flags(ctx, ["dtype", "expert_kernel", "head_type"], "to --engine llama.cpp (it computes in the model "
+                      "file's types)")
     if platform != "mn":
         _refuse_flags(ctx, ["read_bw"], f"to --platform {platform} (nothing is read from storage)")
         _refuse_flags(ctx, ["staging_budget"], f"to --platform {platform} (nothing is read from storage)", warn=True)
@@ -573,7 +582,7 @@ def run(ctx: typer.Context, model: ModelOpt = "ds-tiny", model_path: ModelPathOp
         draft_experts: DraftExpertsOpt = None, compile: CompileOpt = False, engine: EngineOpt = "torch",
         staging: StagingOpt = "demand", read_bw: ReadBwOpt = None, context_overflow: OverflowOpt = "skip",
         device: DeviceOpt = None, dtype: DtypeOpt = "fp32", working_set: WorkingSetOpt = None,
-        expert_kernel: KernelOpt = "auto", as_json: JsonOpt = False):
+        expert_kernel: KernelOpt = "auto", head_type: HeadTypeOpt = "checkpoint", as_json: JsonOpt = False):
     """Decode the prompt suites with one method; one record per prompt, resumable.
 
     `ar`: autoregressive decoding on the expert-offload runtime (the paper's baseline; every
@@ -594,7 +603,7 @@ def run(ctx: typer.Context, model: ModelOpt = "ds-tiny", model_path: ModelPathOp
         fail(f"--draft-cache: {draft_cache!r} is not one of shared, own")
     if context_overflow not in OVERFLOW:
         fail(f"--context-overflow: {context_overflow!r} is not one of {', '.join(OVERFLOW)}")
-    _check_run_flags(platform, expert_type, suite)
+    _check_run_flags(platform, expert_type, suite, head_type)
     _check_applicable(ctx, method, platform, engine)
     folder = resolve_or_fail(model, model_path)
     if method == "top-r":
@@ -619,7 +628,8 @@ def run(ctx: typer.Context, model: ModelOpt = "ds-tiny", model_path: ModelPathOp
                                                temperature=temperature, seed=seed, max_new_tokens=max_new_tokens,
                                                expert_file=lambda qt: expert_file(model, folder, qt), spec=spec,
                                                compile=compile, engine=engine, staging=staging, device=device,
-                                               dtype=dtype, working_set=ws, expert_kernel=expert_kernel)
+                                               dtype=dtype, working_set=ws, expert_kernel=expert_kernel,
+                                               head_type=head_type)
         machine = _machine()
         if rate:
             cfg.method_args["read_bw"] = rate  # a capped cell is another cell
@@ -655,7 +665,7 @@ def compare(model: ModelOpt = "ds-tiny", model_path: ModelPathOpt = None,
             draft_experts: DraftExpertsOpt = None, threads: ThreadsOpt = None, compile: CompileOpt = False,
             engine: EngineOpt = "torch", staging: StagingOpt = "demand", read_bw: ReadBwOpt = None,
             device: DeviceOpt = None, dtype: DtypeOpt = "fp32", working_set: WorkingSetOpt = None,
-            expert_kernel: KernelOpt = "auto",
+            expert_kernel: KernelOpt = "auto", head_type: HeadTypeOpt = "checkpoint",
             caps: Annotated[list[str] | None, typer.Option("--cap", help="--set regime: the read caps to sweep "
                                                            "(default 16…512 MB/s and uncapped; 'none' = uncapped)")] = None,
             out: OutOpt = None, as_json: JsonOpt = False):
@@ -673,7 +683,7 @@ def compare(model: ModelOpt = "ds-tiny", model_path: ModelPathOpt = None,
     bad = [m for m in method or [] if m not in known]
     if bad:
         fail(f"--method: unknown {', '.join(bad)}; known: {', '.join(known)}")
-    _check_run_flags(platform, expert_type, suite)
+    _check_run_flags(platform, expert_type, suite, head_type)
     folder = resolve_or_fail(model, model_path)
     rate = _read_bw(read_bw)
     if method_set == "regime" and rate:
@@ -689,7 +699,7 @@ def compare(model: ModelOpt = "ds-tiny", model_path: ModelPathOpt = None,
                           labels=method, log=log, compile=compile, method_set=method_set, engine=engine,
                           staging=staging, read_bw=rate, caps=cap_list, device=device, dtype=dtype,
                           working_set=_bytes(working_set, "--working-set") if working_set else 0,
-                          expert_kernel=expert_kernel)
+                          expert_kernel=expert_kernel, head_type=head_type)
     if method_set == "regime":
         from paper_figs.regime import table as regime_table
 

@@ -52,7 +52,8 @@ def compare(model: str, folder: Path, platform: str, prompts: list[dict], out_di
             spec: SpecOptions, expert_type: str, expert_file, machine: dict | None, labels: list[str] | None = None,
             log=print, compile: bool = False, method_set: str = "table2", engine: str = "torch",
             staging: str = "demand", read_bw: int | None = None, caps: list[int | None] | None = None,
-            device: str | None = None, dtype: str = "fp32", working_set: int = 0, expert_kernel: str = "auto") -> dict:
+            device: str | None = None, dtype: str = "fp32", working_set: int = 0, expert_kernel: str = "auto",
+            head_type: str = "checkpoint") -> dict:
     """One set's methods through the runner, then one row per method from the records. `read_bw`
     caps the storage reads of every cell (`bench.readcap`); the `regime` set repeats Table 2's
     methods under each of `caps` (default REGIME_CAPS), each cap in its own sub-folder."""
@@ -71,7 +72,7 @@ def compare(model: str, folder: Path, platform: str, prompts: list[dict], out_di
             sub = out_dir / (f"cap-{cap // 10**6}MBps" if cap else "uncapped")
             per_cap.append(compare(*args, sub, max_new_tokens, spec, expert_type, expert_file, machine, labels, log,
                                    compile, REGIME_CELL, engine, staging, read_bw=cap, device=device, dtype=dtype,
-                                   working_set=working_set, expert_kernel=expert_kernel))
+                                   working_set=working_set, expert_kernel=expert_kernel, head_type=head_type))
         return {"model": model, "platform": platform, "engine": engine, "set": "regime", "caps": per_cap}
     rows = {}
     for label, method, over in SETS["regime" if method_set == REGIME_CELL else method_set]:
@@ -91,7 +92,7 @@ def compare(model: str, folder: Path, platform: str, prompts: list[dict], out_di
                                                    resident_from_file=platform == "mn" and cell_platform != platform,
                                                    device=cell_device, dtype=dtype,
                                                    working_set=working_set if cell_platform != "resident" else 0,
-                                                   expert_kernel=expert_kernel)
+                                                   expert_kernel=expert_kernel, head_type=head_type)
         except WontFit as e:
             if cell_platform == platform:
                 raise

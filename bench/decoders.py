@@ -225,7 +225,8 @@ def make_decoder(model: str, folder: Path, method: str, platform: str, expert_ty
                  max_new_tokens: int = 64, expert_file: Callable[[str], Path] | None = None,
                  spec: SpecOptions = SpecOptions(), compile: bool = False, engine: str = "torch",
                  staging: str = "demand", resident_from_file: bool = False, device: str | None = None,
-                 dtype: str = "fp32", working_set: int = 0, expert_kernel: str = "auto"):
+                 dtype: str = "fp32", working_set: int = 0, expert_kernel: str = "auto",
+                 head_type: str = "checkpoint"):
     """(decoder, tokenizer, cell config) for a method on a platform. `expert_file(type)` gives
     the GGUF expert file of the checkpoint (written once) for platform mn; `spec` the speculative
     methods' options. `engine`: torch, or llama.cpp (platforms mn and resident; `staging` how it
@@ -233,7 +234,8 @@ def make_decoder(model: str, folder: Path, method: str, platform: str, expert_ty
     file's (`expert_type`) experts — the same model as an mn run of that file, nothing moved
     (llama.cpp's resident platform always does). `device`, `dtype`: the torch engine's (`placement`);
     `working_set`: bytes a round may keep on the accelerator (torch engine, cg / mn; 0: unbounded);
-    `expert_kernel`: how the torch engine computes Q4_0 experts (`ggml_kernel.resolve_kernel`)."""
+    `expert_kernel`: how the torch engine computes Q4_0 experts (`ggml_kernel.resolve_kernel`);
+    `head_type`: its non-routed weights (`loader.HEAD_TYPES`)."""
     import torch
 
     from draftexpert.runtime.checkpoint import weights_fingerprint
@@ -243,23 +245,23 @@ def make_decoder(model: str, folder: Path, method: str, platform: str, expert_ty
     if engine == "llama.cpp":
         if compile:
             raise ValueError("--compile applies to the torch engine only")
-        if device is not None or dtype != "fp32" or working_set or expert_kernel != "auto":
-            raise ValueError("--device / --dtype / --working-set / --expert-kernel apply to the torch engine (llama.cpp runs the "
-                             "expert file's types and stages through the page cache)")
+        if device is not None or dtype != "fp32" or working_set or expert_kernel != "auto" or head_type != "checkpoint":
+            raise ValueError("--device / --dtype / --working-set / --expert-kernel / --head-type apply to the torch engine "
+                             "(llama.cpp runs the model file's types and stages through the page cache)")
         decoder, tokenizer, cfg = make_llama_decoder(model, folder, method, platform, expert_type, expert_file, spec,
                                                      torch.get_num_threads(), max_new_tokens, temperature, staging)
     else:
         decoder, tokenizer, cfg = _make_torch_decoder(model, folder, method, platform, expert_type, cache_experts,
                                                       staging_budget, temperature, seed, max_new_tokens, expert_file,
                                                       spec, compile, staging, resident_from_file, device, dtype,
-                                                      working_set, expert_kernel)
+                                                      working_set, expert_kernel, head_type)
     cfg.weights = weights_fingerprint(folder)  # results of other weights are other cells
     return decoder, tokenizer, cfg
 
 
 def _make_torch_decoder(model, folder, method, platform, expert_type, cache_experts, staging_budget, temperature,
                         seed, max_new_tokens, expert_file, spec, compile, staging, resident_from_file, device, dtype,
-                        working_set, expert_kernel="auto"):
+                        working_set, expert_kernel="auto", head_type="checkpoint"):
     import json
 
     import torch
@@ -300,7 +302,7 @@ def _make_torch_decoder(model, folder, method, platform, expert_type, cache_expe
     gguf = expert_file(expert_type) if from_file else None
     target = build_model(folder, store, device=device, dtype=torch_dtype, gguf_path=gguf, cache_experts=cache_experts,
                          staging_budget_bytes=staging_budget, working_set_bytes=working_set, staging=staging,
-                         kernel=kernel)
+                         kernel=kernel, head_type=head_type)
     args = {"store": store, "device": device, "cache_experts": cache_experts}
     if dtype != "fp32":  # recorded only then, so fp32 cells keep their keys
         args["dtype"] = dtype
@@ -310,6 +312,8 @@ def _make_torch_decoder(model, folder, method, platform, expert_type, cache_expe
         args["expert_type"] = expert_type
     if kernel != "dequant":  # recorded only then, so dequantising cells keep their keys
         args["expert_kernel"] = kernel
+    if head_type != "checkpoint":  # likewise
+        args["head_type"] = head_type
     if compile:  # recorded only when on, so earlier eager cells keep their keys
         target.compile_decode()
         args["compiled"] = True

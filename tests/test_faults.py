@@ -280,6 +280,9 @@ def test_bad_draft_experts_and_checkpoints_name_the_file(tiny_checkpoint, tmp_pa
     (["--method", "top-r", "--draft-experts", "x.safetensors"], "--method top-r"),
     (["--method", "draftexpert", "--r", "2"], "--r does not apply to --method draftexpert"),
     (["--method", "reference", "--temperature", "0.7"], "--temperature does not apply to --method reference"),
+    (["--engine", "llama.cpp", "--head-type", "q4_0"], "--head-type does not apply to --engine llama.cpp"),
+    (["--method", "reference", "--head-type", "q4_0"], "--head-type does not apply to --method reference"),
+    (["--head-type", "q8_0"], "--head-type: 'q8_0' is not one of checkpoint, q4_0"),
 ])
 def test_flags_that_do_not_apply_are_refused(tiny_checkpoint, tmp_path, args, words):
     from typer.testing import CliRunner

@@ -517,6 +517,24 @@ def test_ggml_expert_kernel_is_row_invariant_and_close_to_the_dequantised_mlp():
     assert expert_mlp(x.double(), gu, dn).dtype == torch.float64
 
 
+def test_q4_0_linear_is_row_invariant_and_close_to_the_float_matmul():
+    """`--head-type q4_0`'s matmul: a float matrix quantised (gguf's quantiser) and multiplied on its
+    blocks gives each row what that row alone gives, near the float product; a row length that is
+    not whole blocks is refused."""
+    from draftexpert.runtime.ggml_kernel import KernelError, q4_0_linear, quantize_q4_0
+
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(80, 64, generator=g), torch.randn(12, 64, generator=g)
+    q = quantize_q4_0(w)
+    assert q.dtype == torch.uint8 and q.shape == (80, 64 // 32 * 18)
+    y = q4_0_linear(x, q)
+    assert torch.equal(torch.cat([q4_0_linear(x[i:i + 1], q) for i in range(12)]), y)
+    want = x @ w.T
+    assert 0 < ((y - want).norm() / want.norm()).item() < 0.1  # Q4_0 weights, Q8_0 activations
+    with pytest.raises(KernelError, match="whole 32-weight blocks"):
+        quantize_q4_0(torch.randn(4, 48))
+
+
 def test_ggml_expert_kernel_refusals():
     """No backward (distillation keeps the dequantising kernel), Q4_0 on a CPU only."""
     from draftexpert.runtime.ggml_kernel import KernelError, expert_mlp, resolve_kernel

@@ -297,6 +297,8 @@ def ggml_models(request, odirect_dir):
     hf.save_pretrained(folder)
     gguf = convert_experts(folder, odirect_dir / f"{request.param}-q4.gguf", "q4_0")
     out = {s: build_model(folder, s, dtype=torch.float64, gguf_path=gguf, kernel="ggml") for s in ("flash", "resident")}
+    for s in ("flash", "resident"):  # --head-type q4_0: the MLPs and LM head on ggml's kernels too
+        out[f"{s}-q4head"] = build_model(folder, s, dtype=torch.float64, gguf_path=gguf, kernel="ggml", head_type="q4_0")
     out["folder"] = folder
     yield out
     out.pop("folder")
@@ -318,6 +320,36 @@ def test_ggml_expert_kernel_is_exact(ggml_models, name):
             for k, truncate, prefetch in ((4, False, False), (8, True, True), (2, True, False)):
                 cfg = SpecConfig(k_max=k, truncate=truncate, prefetch=prefetch, tau=0.9, budget=2)
                 assert speculative(model, drafter(model, name), cfg).generate(ids, 24).tokens == ref, (name, k)
+
+
+@pytest.mark.parametrize("name", DRAFTERS)
+def test_q4_0_head_is_exact(ggml_models, name):
+    """--head-type q4_0 (shared experts, dense MLP and LM head as Q4_0 blocks on ggml's kernels): a
+    different model from the float head's, and every drafter's tokens still equal its AR, on the
+    flash store and the resident bound (which decode the same)."""
+    flash, resident, float_head = ggml_models["flash-q4head"], ggml_models["resident-q4head"], ggml_models["flash"]
+    L = flash.layers
+    assert flash.lm_head.dtype == L[0]["dense_gate_up"].dtype == L[1]["shared_down"].dtype == torch.uint8
+    ids = prompt(0, 9)
+    q4, fp = (TorchEngine(m) for m in (flash, float_head))
+    for eng in (q4, fp):
+        eng.start(16)
+    assert not torch.allclose(q4.prefill(ids), fp.prefill(ids), atol=1e-6)  # the head is quantised
+    for seed in (0, 1):
+        ids = prompt(seed, 9)
+        ref = ar_tokens(flash, ids)
+        assert ar_tokens(resident, ids) == ref
+        for model in (flash, resident):
+            for k, truncate, prefetch in ((4, False, False), (8, True, True)):
+                cfg = SpecConfig(k_max=k, truncate=truncate, prefetch=prefetch, tau=0.9, budget=2)
+                assert speculative(model, drafter(model, name), cfg).generate(ids, 24).tokens == ref, (name, k)
+
+
+def test_q4_0_head_refuses_compile(ggml_models):
+    from draftexpert.runtime.ggml_kernel import KernelError
+
+    with pytest.raises(KernelError, match="--compile"):
+        ggml_models["resident-q4head"].compile_decode()
 
 
 def test_ggml_expert_kernel_refuses_what_it_cannot_compute(ggml_models, odirect_dir):

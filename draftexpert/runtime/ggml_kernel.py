@@ -76,25 +76,51 @@ def _libs():
 class _Ggml:
     """ggml contexts over Python-owned arenas (nothing allocated by ggml itself): one-row calls
     (decoding) reuse a graph built once per expert shape; a call of n rows builds its own in a
-    reused arena. The Q8_0 work buffer of each compute lives in a scratch context freed after it."""
+    reused arena. The weights are not copied: for each call the graph's two Q4_0 tensors point at
+    the caller's bytes (the flash store's mapped file pages, a resident tensor), as llama.cpp
+    computes on its mmapped file. The Q8_0 work buffer of each compute lives in a scratch context
+    freed after it."""
 
     def __init__(self):
         self.base, self.cpu = _libs()
         self.arena = ctypes.create_string_buffer(1 << 20)
         self.scratch = ctypes.create_string_buffer(64 << 10)
-        # (H, 2I, H_out) → (arena, ctx, graph, data of GU, D, X, y)
+        # the weights' shapes → (arena, ctx, graph, weight tensors, data of X, y)
         self.one_row: dict[tuple[int, int, int], tuple] = {}
+        self.data_field = self._data_field()
 
-    def _graph(self, arena, n: int, H: int, I2: int, H_out: int):
+    def _data_field(self) -> int:
+        """The byte offset of `data` in `struct ggml_tensor` (ggml.h has a getter, no setter): the
+        one word of a fresh tensor that holds `ggml_get_data`'s answer — found once, checked unique."""
+        b, arena = self.base, ctypes.create_string_buffer(16 << 10)
+        ctx = b.ggml_init(_InitParams(len(arena), ctypes.addressof(arena), False))
+        try:
+            t = b.ggml_new_tensor_2d(ctx, GGML_F32, 4, 4)
+            want = b.ggml_get_data(t)
+            found = [8 * i for i, w in enumerate((ctypes.c_void_p * 64).from_address(t)) if w == want]
+        finally:
+            b.ggml_free(ctx)
+        if len(found) != 1:
+            raise KernelError("this ggml build's tensor struct is not the one this kernel knows; use --expert-kernel dequant")
+        return found[0]
+
+    def _point(self, tensor: int, data: torch.Tensor) -> None:
+        """Make ggml tensor `tensor` read `data`'s bytes (no copy; `data` must outlive the compute)."""
+        ctypes.c_void_p.from_address(tensor + self.data_field).value = data.data_ptr()
+
+    def _graph(self, arena, n: int, H: int, shapes: tuple[tuple[int, int], ...]):
+        """A graph over `len(shapes)` Q4_0 weights W_j [rows_j, cols_j] (numpy order) and an input
+        X [n, H]: one weight, W·x (a linear layer); two, the MLP W_2 · swiglu(W_1 · x)."""
         b = self.base
         ctx = b.ggml_init(_InitParams(len(arena), ctypes.addressof(arena), False))
-        GU = b.ggml_new_tensor_2d(ctx, GGML_Q4_0, H, I2)  # ggml order: ne0 = the row length
-        D = b.ggml_new_tensor_2d(ctx, GGML_Q4_0, I2 // 2, H_out)
-        X = b.ggml_new_tensor_2d(ctx, GGML_F32, H, n)
-        y = b.ggml_mul_mat(ctx, D, b.ggml_swiglu(ctx, b.ggml_mul_mat(ctx, GU, X)))  # [n, H_out]
+        W = [b.ggml_new_tensor_2d(ctx, GGML_Q4_0, cols, rows) for rows, cols in shapes]  # ggml order: ne0 = row length
+        X = b.ggml_new_tensor_2d(ctx, GGML_F32, H, n)  # (the weights' arena bytes go unused: `_point`)
+        y = b.ggml_mul_mat(ctx, W[0], X)
+        if len(W) == 2:
+            y = b.ggml_mul_mat(ctx, W[1], b.ggml_swiglu(ctx, y))
         graph = b.ggml_new_graph_custom(ctx, 8, False)
         b.ggml_build_forward_expand(graph, y)
-        return ctx, graph, *(b.ggml_get_data(t) for t in (GU, D, X, y))
+        return ctx, graph, W, b.ggml_get_data(X), b.ggml_get_data(y)
 
     def _compute(self, graph, threads: int, work: int) -> None:
         if work > len(self.scratch):
@@ -108,29 +134,41 @@ class _Ggml:
 
     def mlp(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
         """x [n, H] fp32 → down · swiglu(gate_up · x) [n, H] on the Q4_0 pair (uint8 rows)."""
-        b = self.base
-        n, H = x.shape
-        I2, H_out = gate_up.shape[0], down.shape[0]
+        H, I2 = x.shape[1], gate_up.shape[0]
         if gate_up.shape[1] * Q4_0_BLOCK != H * Q4_0_BYTES or down.shape[1] * Q4_0_BLOCK * 2 != I2 * Q4_0_BYTES:
             raise KernelError(f"not a Q4_0 expert for hidden {H}: gate_up {tuple(gate_up.shape)}, down {tuple(down.shape)}")
+        return self._run(x, (gate_up, down), ((I2, H), (down.shape[0], I2 // 2)))
+
+    def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """x [n, H] fp32 → w · x [n, rows] on a Q4_0 matrix (uint8 [rows, H/32·18])."""
+        H = x.shape[1]
+        if w.shape[1] * Q4_0_BLOCK != H * Q4_0_BYTES:
+            raise KernelError(f"not a Q4_0 matrix of row length {H}: {tuple(w.shape)}")
+        return self._run(x, (w,), ((w.shape[0], H),))
+
+    def _run(self, x: torch.Tensor, weights: tuple[torch.Tensor, ...], shapes: tuple[tuple[int, int], ...]):
+        b = self.base
+        n, H = x.shape
+        H_out = shapes[-1][0]
         x = x.detach().to(torch.float32).contiguous()
-        gate_up, down = gate_up.contiguous(), down.contiguous()
-        # weights, input, gate_up · x, swiglu, output, tensor and graph headers
-        need = lambda: gate_up.numel() + down.numel() + 4 * n * (H + I2 + I2 // 2 + H_out) + (32 << 10)  # noqa: E731
-        work = 2 * n * (H + I2) + (8 << 10)  # the Q8_0 copies of x and of the activation
+        weights = tuple(w.contiguous() for w in weights)
+        # the weights' unused room, input, activations, output, tensor and graph headers
+        need = lambda: sum(w.numel() for w in weights) + 4 * n * (H + sum(r for r, _ in shapes) * 3 // 2 + H_out) \
+            + (32 << 10)  # noqa: E731
+        work = 2 * n * (H + shapes[0][0]) + (8 << 10)  # the Q8_0 copies of x and of the activation
         if n == 1:
-            key = (H, I2, H_out)
+            key = shapes
             if key not in self.one_row:
                 arena = ctypes.create_string_buffer(need())
-                self.one_row[key] = (arena, *self._graph(arena, 1, H, I2, H_out))
-            _, ctx, graph, gu_at, d_at, x_at, y_at = self.one_row[key]
+                self.one_row[key] = (arena, *self._graph(arena, 1, H, shapes))
+            _, ctx, graph, W, x_at, y_at = self.one_row[key]
         else:
             if need() > len(self.arena):
                 self.arena = ctypes.create_string_buffer(max(need(), 2 * len(self.arena)))
-            ctx, graph, gu_at, d_at, x_at, y_at = self._graph(self.arena, n, H, I2, H_out)
+            ctx, graph, W, x_at, y_at = self._graph(self.arena, n, H, shapes)
         try:
-            ctypes.memmove(gu_at, gate_up.data_ptr(), gate_up.numel())
-            ctypes.memmove(d_at, down.data_ptr(), down.numel())
+            for t, w in zip(W, weights):
+                self._point(t, w)  # ggml reads the caller's bytes (alive until this returns)
             ctypes.memmove(x_at, x.data_ptr(), 4 * n * H)
             self._compute(graph, 1 if n < 16 else torch.get_num_threads(), work)  # a thread pool per call: not for a few rows
             out = torch.empty(n, H_out, dtype=torch.float32)
@@ -144,8 +182,7 @@ class _Ggml:
 _KERNEL: _Ggml | None = None
 
 
-def expert_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    """`MoEModel.mlp` for an expert held as raw Q4_0 (x [n, H] → [n, H], in x's dtype)."""
+def _kernel_for(x: torch.Tensor) -> _Ggml:
     global _KERNEL
     if x.requires_grad:
         raise KernelError("the ggml expert kernel has no backward: distil through the runtime with "
@@ -154,7 +191,28 @@ def expert_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> to
         raise KernelError(f"the ggml expert kernel runs on the CPU, not {x.device}")
     if _KERNEL is None:
         _KERNEL = _Ggml()
-    return _KERNEL.mlp(x, gate_up, down).to(x.dtype)
+    return _KERNEL
+
+
+def expert_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """`MoEModel.mlp` for an expert (or any SwiGLU MLP) held as raw Q4_0 (x [n, H] → [n, H], in x's dtype)."""
+    return _kernel_for(x).mlp(x, gate_up, down).to(x.dtype)
+
+
+def q4_0_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """`F.linear(x, W)` for W held as raw Q4_0 (uint8 [rows, H/32·18]): x [n, H] → [n, rows], in x's dtype."""
+    return _kernel_for(x).linear(x, w).to(x.dtype)
+
+
+def quantize_q4_0(w: torch.Tensor) -> torch.Tensor:
+    """A float matrix [rows, cols] (cols a multiple of 32) → its Q4_0 blocks, uint8 [rows, cols/32·18] —
+    gguf's quantiser, bit-identical to llama.cpp's (the bytes `llama_gguf` writes into a Q4_0 head)."""
+    import gguf
+
+    if w.ndim != 2 or w.shape[1] % Q4_0_BLOCK:
+        raise KernelError(f"Q4_0 quantises rows of whole {Q4_0_BLOCK}-weight blocks; got a matrix of shape {tuple(w.shape)}")
+    q = gguf.quants.quantize(w.detach().float().cpu().numpy(), gguf.GGMLQuantizationType.Q4_0)
+    return torch.from_numpy(q.copy()).view(w.shape[0], -1)
 
 
 def check_kernel(kernel: str, expert_type: str | None, device: str) -> None:

@@ -185,16 +185,24 @@ def convert_experts(folder: Path, out: Path, qtype: str = "q4_0") -> Path:
     return write_expert_gguf(out, layers, gguf_meta(cfg), qtype)
 
 
+# the torch engine's non-routed weights: as the checkpoint holds them (in the compute dtype), or its
+# MLPs and LM head as Q4_0 blocks on ggml's kernels, as llama.cpp's Q4_0 model holds them
+HEAD_TYPES = ("checkpoint", "q4_0")
+
+
 def build_model(folder: Path, store: str = "resident", device: str = "cpu", dtype: torch.dtype = torch.float32,
                 gguf_path: Path | None = None, cache_experts: int = 0, staging_budget_bytes: int = 0,
                 io_threads: int = 6, ledger: Ledger | None = None, working_set_bytes: int = 0,
-                staging: str = "demand", kernel: str = "dequant") -> MoEModel:
+                staging: str = "demand", kernel: str = "dequant", head_type: str = "checkpoint") -> MoEModel:
     """A lean model over `store` ∈ {resident, host, flash}; flash reads `gguf_path` (see
     `convert_experts`); resident with a `gguf_path` holds that file's experts, dequantised (the
     resident upper bound of a quantised mn run: the same model, nothing moved). `working_set_bytes`
     bounds what a round keeps on the accelerator (offload stores; 0: unbounded); `staging` how the
     flash store reads (`experts.STAGING`); `kernel` how the experts of a Q4_0 file compute on a
-    CPU (`ggml_kernel.KERNELS`: "ggml" keeps them as their Q4_0 blocks)."""
+    CPU (`ggml_kernel.KERNELS`: "ggml" keeps them as their Q4_0 blocks); `head_type` the non-routed
+    weights (`HEAD_TYPES`: "q4_0", see `MoEModel.quantize_head`)."""
+    if head_type not in HEAD_TYPES:
+        raise ValueError(f"--head-type: {head_type!r} is not one of {', '.join(HEAD_TYPES)}")
     if kernel != "dequant" and (gguf_path is None or store not in ("flash", "resident")):
         raise ValueError("--expert-kernel ggml computes the experts of a Q4_0 expert file (platform mn, or "
                          "resident from the file)")
@@ -220,7 +228,8 @@ def build_model(folder: Path, store: str = "resident", device: str = "cpu", dtyp
         experts = ResidentStore(gate_up, down, **kw)
     else:
         raise ValueError(f"unknown expert store {store!r}; choose resident, host or flash")
-    return MoEModel(cfg, weights, experts)
+    model = MoEModel(cfg, weights, experts)
+    return model.quantize_head() if head_type == "q4_0" else model
 
 
 def load_router(folder: Path) -> tuple[ModelConfig, dict[int, torch.Tensor]]:

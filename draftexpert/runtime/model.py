@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from draftexpert.runtime.experts import ExpertStore, ResidentStore
-from draftexpert.runtime.ggml_kernel import expert_mlp
+from draftexpert.runtime.ggml_kernel import KernelError, expert_mlp, q4_0_linear, quantize_q4_0
 
 
 @dataclass(frozen=True)
@@ -133,6 +133,11 @@ class KVCache:
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot crop a cache of length {self.length} to {length}")
         self.length = length
+
+
+def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [T, in] → [T, out]: `F.linear`, or ggml's kernel for a matrix held as Q4_0 blocks (uint8)."""
+    return q4_0_linear(x, w) if w.dtype == torch.uint8 else F.linear(x, w)
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -323,7 +328,27 @@ class MoEModel:
             yield rows // r, rows % r, gu, dn
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(rms_norm(x, self.norm, self.cfg.eps), self.lm_head)
+        return linear(rms_norm(x, self.norm, self.cfg.eps), self.lm_head)
+
+    def quantize_head(self) -> MoEModel:
+        """`--head-type q4_0`: the MLPs outside the routed experts (shared experts, dense layers) and
+        the LM head held as Q4_0 blocks and computed by ggml's kernels (`mlp`, `linear`): the bytes
+        llama.cpp's Q4_0 head holds for them (`llama_gguf`), 11 of ds-tiny's 16 MB of fp32 weights
+        read per token down to 1.6. Attention stays as loaded (its small matrices cost ggml's call
+        overhead what they save in bytes: measured no faster), as do norms, router and embedding.
+        Batch-invariant like the routed experts' kernel, so speculation stays exact; a different
+        model from the checkpoint's (its tokens are this model's, not transformers'). CPU only; not
+        with --compile."""
+        if self.embed.device.type != "cpu":
+            raise KernelError(f"--head-type q4_0 computes on the CPU (ggml's kernels), not {self.embed.device}")
+        if self._compiled is not None:
+            raise KernelError("--head-type q4_0 runs ggml's kernels outside a compiled graph: not with --compile")
+        for L in self.layers:
+            for name in ("shared_gate_up", "shared_down", "dense_gate_up", "dense_down"):
+                if name in L:
+                    L[name] = quantize_q4_0(L[name])
+        self.lm_head = quantize_q4_0(self.lm_head)
+        return self
 
     # -- forward --------------------------------------------------------------------------
 
@@ -380,6 +405,8 @@ class MoEModel:
         than the fusion gained there (ds-tiny flash, 1 thread: ~0.2 ms/token gained split, ~0.8
         one graph). Multi-token forwards (prefill, verify) stay eager. Costs ~20 s of compilation
         the first time each shape is seen (then cached by inductor on disk)."""
+        if self.lm_head.dtype == torch.uint8:
+            raise KernelError("--compile traces torch ops; a --head-type q4_0 model runs ggml's kernels: not both")
         store = self.experts
         # resident fp experts are indexed in the graph; offloaded ones, and Q4_0 blocks for the ggml
         # kernel (`--expert-kernel ggml`), go through the store in the op
