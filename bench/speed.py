@@ -95,6 +95,71 @@ def overhead(folder: Path, threads: int, new_tokens: int = 64, repeats: int = 3,
     return res
 
 
+# `speed engines`: AR on platform mn over one Q4_0 expert file, each engine beside its resident bound
+ENGINE_CELLS = [  # (label, make_decoder options)
+    ("torch", {"platform": "mn"}),
+    ("torch, Q4_0 head", {"platform": "mn", "head_type": "q4_0"}),
+    ("llama.cpp", {"platform": "mn", "engine": "llama.cpp"}),
+    ("torch resident", {"platform": "resident", "resident_from_file": True}),
+    ("torch, Q4_0 head, resident", {"platform": "resident", "resident_from_file": True, "head_type": "q4_0"}),
+    ("llama.cpp resident", {"platform": "resident", "engine": "llama.cpp"}),
+]
+
+
+def engines(model: str, folder: Path, prompts: list[dict], expert_file, max_new_tokens: int = 64, rounds: int = 3,
+            log=print) -> dict:
+    """AR decode ms/token of each `ENGINE_CELLS` configuration on the same prompts and Q4_0 expert file,
+    in interleaved rounds (this VM's speed drifts within minutes: only same-round ratios are fair),
+    each configuration loaded afresh per round and timed over its decode only. Reports the medians,
+    the engine ratio (torch / llama.cpp ms/token, the issue's ≤ 1.5× bar) for each torch head, each
+    engine's AR speed / its resident speed (the ≥ 0.6× bar), and whether AR's tokens equal its
+    resident bound's (staging is exact) and how far torch's tokens follow llama.cpp's."""
+    from bench.decoders import make_decoder
+    from bench.prompts import render_prompt
+
+    ms: dict[str, list[float]] = {label: [] for label, _ in ENGINE_CELLS}
+    stall: dict[str, list[float]] = {label: [] for label, _ in ENGINE_CELLS}
+    tokens: dict[str, list[list[int]]] = {}
+    for rnd in range(rounds):
+        for label, opts in ENGINE_CELLS:
+            dec, tok, _ = make_decoder(model, folder, "ar", expert_type="q4_0", max_new_tokens=max_new_tokens,
+                                       expert_file=expert_file, **opts)
+            try:
+                out = [dec.generate(render_prompt(tok, p["prompt"]), max_new_tokens, tok.eos_token_id) for p in prompts]
+            finally:
+                dec.close()
+            n = sum(len(o.tokens) - 1 for o in out)  # decoded tokens (the first comes from the prefill)
+            ms[label].append(1000 * sum(o.decode_s for o in out) / n)
+            stall[label].append(1000 * sum(o.stats["ledger"]["by_phase"].get("ar", {}).get("stall_s") or 0.0
+                                           for o in out) / n)
+            tokens.setdefault(label, [o.tokens for o in out])
+            log(f"round {rnd + 1}/{rounds} {label}: {ms[label][-1]:.2f} ms/token (stall {stall[label][-1]:.2f})")
+    med = {label: statistics.median(v) for label, v in ms.items()}
+
+    def follows(a: str, b: str) -> float:  # mean length of the common prefix of two labels' continuations
+        pairs = list(zip(tokens[a], tokens[b]))
+        return statistics.mean(next((i for i, (x, y) in enumerate(zip(s, t)) if x != y), min(len(s), len(t)))
+                               for s, t in pairs)
+
+    return {
+        "model": model, "expert_type": "q4_0", "prompts": len(prompts), "max_new_tokens": max_new_tokens,
+        "rounds": rounds, "threads": torch.get_num_threads(),
+        "ms_per_token": {label: _stats(v) for label, v in ms.items()},
+        "stall_ms_per_token": {label: _stats(v) for label, v in stall.items()},
+        "torch_vs_llama_cpp": {"checkpoint head": med["torch"] / med["llama.cpp"],
+                               "Q4_0 head": med["torch, Q4_0 head"] / med["llama.cpp"]},
+        "ar_vs_resident_speed": {"torch": med["torch resident"] / med["torch"],
+                                 "torch, Q4_0 head": med["torch, Q4_0 head, resident"] / med["torch, Q4_0 head"],
+                                 "llama.cpp": med["llama.cpp resident"] / med["llama.cpp"]},
+        "ar_tokens_equal_resident": {e: tokens[e] == tokens[f"{e} resident" if e != "torch, Q4_0 head" else
+                                                          "torch, Q4_0 head, resident"]
+                                     for e in ("torch", "torch, Q4_0 head", "llama.cpp")},
+        "tokens_following_llama_cpp": {"checkpoint head": follows("torch", "llama.cpp"),
+                                       "Q4_0 head": follows("torch, Q4_0 head", "llama.cpp")},
+        "note": "decode ms/token, medians over interleaved rounds; each configuration loaded afresh per round",
+    }
+
+
 def host(folder: Path, repeats: int = 20, layer: int | None = None, log=print) -> dict:
     """Platform cg: one MoE layer's top-k experts through the host store (pinned host pool → the
     accelerator on the copy stream; on a CPU-only machine the CPU is the accelerator and the copy a

@@ -127,6 +127,23 @@ def test_speed_flash_measures_a_layers_loads_against_odirect_reads(staging):
     assert bad.returncode == 2 and "--staging" in bad.stderr
 
 
+def test_speed_engines_reports_both_engines_beside_their_resident_bounds():
+    """`bench speed engines` (#13's engine ratio and AR / resident): every configuration decoded,
+    each engine's staged AR equal to its resident bound token for token."""
+    pytest.importorskip("llama_cpp")
+    p = run_bench("speed", "engines", "--model", "ds-tiny", "--suite", "chat", "--max-new-tokens", "8",
+                  "--rounds", "1", "--json")
+    assert p.returncode == 0, p.stderr
+    r = json.loads(p.stdout)
+    from bench.speed import ENGINE_CELLS
+
+    assert set(r["ms_per_token"]) == {label for label, _ in ENGINE_CELLS}
+    assert all(v["n"] == 1 and v["median"] > 0 for v in r["ms_per_token"].values())
+    assert r["stall_ms_per_token"]["llama.cpp"]["median"] > 0 == r["stall_ms_per_token"]["llama.cpp resident"]["median"]
+    assert all(r["ar_tokens_equal_resident"].values())
+    assert r["torch_vs_llama_cpp"]["Q4_0 head"] > 0 and 0 <= r["tokens_following_llama_cpp"]["Q4_0 head"] <= 8
+
+
 def test_speed_host_measures_loads_against_a_copy():
     """The cg load benchmark runs anywhere (the CPU as the accelerator here; `make gpu-check` on a GPU)."""
     p = run_bench("speed", "host", "--model", "ds-tiny", "--repeats", "3", "--json")
