@@ -913,20 +913,11 @@ def speed_engines(model: ModelOpt = "ds-tiny", model_path: ModelPathOpt = None, 
     recs = _prompts_and_threads(suite, limit, threads, folder=folder)
     with _named_errors():
         r = speed.engines(model, folder, recs, lambda qt: expert_file(model, folder, qt), max_new_tokens, rounds, log=log)
-    ms = r["ms_per_token"]
-    lines = [f"{model}, Q4_0 experts, {len(recs)} prompt(s) × {max_new_tokens} tokens, {r['threads']} thread(s), "
-             f"{rounds} interleaved round(s); decode ms/token, median (min–max):"]
-    lines += [f"  {label:28s} {v['median']:6.2f} ({v['min']:.2f}–{v['max']:.2f})  stall "
-              f"{r['stall_ms_per_token'][label]['median']:.2f}" for label, v in ms.items()]
-    ratio, ar = r["torch_vs_llama_cpp"], r["ar_vs_resident_speed"]
-    lines.append(f"torch / llama.cpp ms/token: {ratio['checkpoint head']:.2f}× (checkpoint head), "
-                 f"{ratio['Q4_0 head']:.2f}× (Q4_0 head)")
-    lines.append("AR speed / resident speed: " + ", ".join(f"{k} {v:.2f}" for k, v in ar.items()))
-    lines.append("AR tokens equal the resident bound's: " + ", ".join(f"{k} {v}" for k, v in r["ar_tokens_equal_resident"].items()))
-    f = r["tokens_following_llama_cpp"]
-    lines.append(f"torch's tokens follow llama.cpp's for {f['checkpoint head']:.1f} (checkpoint head) / "
-                 f"{f['Q4_0 head']:.1f} (Q4_0 head) tokens on average")
-    emit(r, as_json, "\n".join(lines))
+    from paper_figs.engines import table
+
+    head = (f"{model}, Q4_0 experts, {len(recs)} prompt(s) × {max_new_tokens} tokens, {r['threads']} thread(s), "
+            f"{rounds} interleaved round(s)")
+    emit(r, as_json, head + "\n\n" + table(r))
 
 
 @speed_app.command("flash")

@@ -206,6 +206,44 @@ def table4(results_dir: Path, log, per_suite: int = FIG1B_PER_SUITE, tokens: int
     return written
 
 
+ENGINES_ROUNDS = 3
+
+
+def engines(results_dir: Path, log, tokens: int = FIG1B_TOKENS, models: tuple[str, ...] = TINY_MODELS,
+            rounds: int = ENGINES_ROUNDS) -> list[str]:
+    """`bench speed engines`: both engines' AR beside their resident bounds, interleaved rounds (one
+    prompt per suite). Kept when already measured on this machine for these weights."""
+    from bench import prompts, registry, speed
+    from bench.artifacts import expert_file_for
+    from bench.telemetry import machine_id
+    from draftexpert.runtime.checkpoint import weights_fingerprint
+    from paper_figs.engines import table
+
+    import torch
+
+    torch.set_num_threads(FIG1B_THREADS)
+    written = []
+    for model in models:
+        folder = registry.resolve(model)
+        path = results_dir / f"engines_{model}_mn.json"
+        old = json.loads(path.read_text()) if path.exists() else {}
+        if (old.get("machine_id"), old.get("weights"), old.get("max_new_tokens")) == \
+                (machine_id(), weights_fingerprint(folder), tokens):
+            log(f"{path.name}: measured already on this machine, kept")
+            res = old
+        else:
+            res = speed.engines(model, folder, prompts.load(limit=1), lambda qt: expert_file_for(model, folder, qt, log=log),
+                                tokens, rounds, log=log)
+            write_json_atomic(path, res)
+        (results_dir / f"engines_{model}_mn.md").write_text(
+            f"{model} on mn, Q4_0 experts from one file, {res['prompts']} prompts (one per suite) × {tokens} new tokens, "
+            f"greedy, {FIG1B_THREADS} thread, {res['rounds']} interleaved rounds, each configuration loaded afresh per "
+            f"round; machine {res['machine_id']}; `bench speed engines --model {model} --max-new-tokens {tokens} "
+            f"--rounds {res['rounds']}`.\n\n" + table(res) + "\n")
+        written += [f"results/engines_{model}_mn.md", f"results/engines_{model}_mn.json"]
+    return written
+
+
 def fig3(results_dir: Path, log, per_suite: int = FIG1B_PER_SUITE, tokens: int = FIG1B_TOKENS,
          models: tuple[str, ...] = TINY_MODELS) -> list[str]:
     """Fig. 3 on mn: each drafter's cumulative unique layer-experts vs draft length (K = 8, fixed)."""
@@ -417,6 +455,9 @@ def reproduce(results_dir: Path, log=lambda m: print(m, file=sys.stderr), per_su
         else:
             log("Tables 2/3 (mn rows) on llama.cpp, " + ", ".join(models))
             done += spec_compare(results_dir, log, per_suite, tokens, engine="llama.cpp", models=models)
+            log("Both engines' AR beside their resident bounds (bench speed engines), " + ", ".join(models))
+            done += engines(results_dir, log, tokens, models=models,
+                            rounds=1 if per_suite < FIG1B_PER_SUITE else ENGINES_ROUNDS)
             log("Table 4 on llama.cpp: fixed K vs truncation vs + prefetch (DraftExpert), " + ", ".join(models))
             done += table4(results_dir, log, per_suite, tokens, engine="llama.cpp", models=models)
             log("Cross-check llama.cpp f32 vs the torch engine on every prompt, " + ", ".join(models))

@@ -141,9 +141,13 @@ def engines(model: str, folder: Path, prompts: list[dict], expert_file, max_new_
         return statistics.mean(next((i for i, (x, y) in enumerate(zip(s, t)) if x != y), min(len(s), len(t)))
                                for s, t in pairs)
 
+    from bench.telemetry import machine_id
+    from draftexpert.runtime.checkpoint import weights_fingerprint
+
     return {
         "model": model, "expert_type": "q4_0", "prompts": len(prompts), "max_new_tokens": max_new_tokens,
-        "rounds": rounds, "threads": torch.get_num_threads(),
+        "rounds": rounds, "threads": torch.get_num_threads(), "machine_id": machine_id(),
+        "weights": weights_fingerprint(folder),
         "ms_per_token": {label: _stats(v) for label, v in ms.items()},
         "stall_ms_per_token": {label: _stats(v) for label, v in stall.items()},
         "torch_vs_llama_cpp": {"checkpoint head": med["torch"] / med["llama.cpp"],

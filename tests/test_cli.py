@@ -55,6 +55,9 @@ def test_reproduce_writes_fig1a_and_lists_pending(tmp_path):
         assert lc["engine"] == "llama.cpp" and set(lc["methods"]) == set(spec["methods"])
         assert all(lc["tokens_equal_ar"].values())  # demand staging and the resident bound included
         assert lc["methods"]["ar"]["loading_share"] > 0 and lc["methods"]["ar-resident"]["decode_loads"] == 0
+        eng = json.loads((tmp_path / f"engines_{model}_mn.json").read_text())
+        assert all(eng["ar_tokens_equal_resident"].values()) and eng["rounds"] == 1
+        assert "| torch, Q4_0 head |" in (tmp_path / f"engines_{model}_mn.md").read_text()
         f45_all = json.loads((tmp_path / f"fig45_{model}_mn.json").read_text())
         f45, dense = f45_all["curves"], f45_all["dense"]
         assert dense["curves"]["unique"] == [5] * 8  # the dense counterpart: one FFN per MoE layer, any block
