@@ -5,7 +5,9 @@ replays by itself (`bench fuzz --engine E --seed S --case i`). A case draws the 
 method (AR offload, shared+top-r for every r < k, DraftExpert with each distilled preset or the
 zero draft expert), K_max, τ, B, budget mode, truncation, prefetch, the drafter's KV cache, the
 accelerator cache, llama.cpp's staging, a prompt (a suite prompt, or random token ids), the
-number of new tokens and — on the torch engine, which samples — the temperature and seed. Each
+number of new tokens and — on the torch engine, which samples — the temperature and seed, and
+(drawn last, so earlier campaigns' other draws stay as they were) the torch engine's head type on
+the CPU platforms. Each
 decoder is built by `bench.decoders.make_decoder`, the factory `bench run` uses.
 
 Plain decoding is AR with every expert resident on the same weights: the checkpoint's for the
@@ -58,6 +60,7 @@ class Case:
     max_new_tokens: int = 16
     temperature: float = 0.0
     seed: int = 0
+    head_type: str = "checkpoint"
 
 
 def draw(engine: str, seed: int, index: int) -> Case:
@@ -93,6 +96,8 @@ def draw(engine: str, seed: int, index: int) -> Case:
         c["prompt_id"] = rng.choice(prompts.load(suite))["id"]
     if engine == "torch" and rng.random() < 0.3:
         c.update(temperature=round(rng.uniform(0.3, 1.5), 2), seed=rng.randrange(1 << 16))
+    if engine == "torch" and platform in ("mn", "resident") and rng.random() < 0.3:
+        c["head_type"] = "q4_0"  # MLPs and LM head on ggml's Q4_0 kernels (a CPU only)
     return Case(**c)
 
 
@@ -120,7 +125,8 @@ class Campaign:
                             spec=spec or SpecOptions(), engine=case.engine,
                             device=available_device(platform) if case.engine == "torch" else None,
                             staging=case.staging if case.engine == "llama.cpp" else "demand",
-                            resident_from_file=resident_from_file)
+                            resident_from_file=resident_from_file,
+                            head_type=case.head_type)
 
     def prompt_ids(self, case: Case, tokenizer) -> list[int]:
         from bench.prompts import render_prompt
@@ -130,7 +136,7 @@ class Campaign:
     def plain(self, case: Case, ids: list[int]) -> list[int]:
         """AR with every expert resident, on the weights the case's decoder computes with."""
         from_file = case.engine == "llama.cpp" or case.platform == "mn"
-        key = (case.model, case.engine, case.expert_type if from_file else "checkpoint", tuple(ids),
+        key = (case.model, case.engine, case.expert_type if from_file else "checkpoint", case.head_type, tuple(ids),
                case.max_new_tokens, case.temperature, case.seed)
         if key not in self._plain:
             dec, tok, _ = self._decoder(case, "ar", "resident", 0, resident_from_file=from_file)
