@@ -60,7 +60,7 @@ class DraftExpertLM(LM):
                  model_path: str | None = None, expert_type: str = "q4_0", r: int = 1, k_max: int = 4,
                  tau: float = 0.6, budget: int = 24, truncate=True, prefetch=True, draft_experts: str | None = None,
                  max_gen_toks: int = 256, threads: int | None = None, out: str | None = None, dtype: str = "fp32",
-                 log: Callable[[str], None] = _stderr, **lm_eval_args):
+                 head_type: str = "checkpoint", log: Callable[[str], None] = _stderr, **lm_eval_args):
         super().__init__()
         import torch
 
@@ -83,7 +83,7 @@ class DraftExpertLM(LM):
         self.decoder, self.tokenizer, self.cfg = make_decoder(model, self.folder, method, platform,
                                                               expert_type=expert_type, spec=spec, engine=engine,
                                                               expert_file=self._expert_file, device=device,
-                                                              dtype=str(dtype))
+                                                              dtype=str(dtype), head_type=str(head_type))
         label = f"top-{r}" if method == "top-r" else method
         self.run_dir = Path(out) if out else (registry.REPO_ROOT / "runs" / f"eval-{model}-{label}-{platform}"
                                               f"{'-llama.cpp' if engine == 'llama.cpp' else ''}")

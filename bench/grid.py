@@ -16,6 +16,7 @@ A grid file (TOML; `bench/data/grids/example.toml` is a commented one):
     method = ["ar", "top-r", "draftexpert"]
     expert_type = ["q4_0"]
     device = "cuda"                     # cg cells (cpu: the CPU as the accelerator); dtype = "bf16" likewise
+    head_type = "q4_0"                  # the torch engine's cells on a CPU (`--head-type`; default checkpoint)
     [settings]                          # swept where they apply: r for top-r; the rest for top-r and draftexpert
     r = [1, 2]
     k_max = [4]
@@ -39,7 +40,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-GRID_KEYS = {"model", "model_path", "platform", "engine", "method", "expert_type", "device", "dtype"}
+GRID_KEYS = {"model", "model_path", "platform", "engine", "method", "expert_type", "device", "dtype", "head_type"}
 SETTINGS = {"r": int, "k_max": int, "tau": float, "budget": int, "truncate": bool, "prefetch": bool}
 SPEC_METHODS = ("top-r", "draftexpert")
 SECTIONS = {"out", "prompts", "decode", "grid", "settings", "ray"}
@@ -68,6 +69,7 @@ class Task:
     model_path: str | None = None
     device: str | None = None  # cg: cuda (default) | cpu
     dtype: str = "fp32"
+    head_type: str = "checkpoint"
     resources: dict = field(default_factory=dict)
     gpus: float = 0
 
@@ -94,6 +96,7 @@ def read_grid(path: Path) -> tuple[list[Task], dict]:
     from bench import prompts
     from bench.decoders import ENGINES, METHODS, PLATFORMS
     from draftexpert.runtime.gguf_experts import TYPES
+    from draftexpert.runtime.loader import HEAD_TYPES
 
     path = Path(path)
     try:
@@ -117,6 +120,8 @@ def read_grid(path: Path) -> tuple[list[Task], dict]:
         bad = [v for v in axes[key] if v not in allowed]
         if bad:
             raise GridError(f"{path}: [grid] {key}: {', '.join(map(str, bad))} not one of {', '.join(allowed)}")
+    if grid.get("head_type", "checkpoint") not in HEAD_TYPES:
+        raise GridError(f"{path}: [grid] head_type: {grid['head_type']!r} not one of {', '.join(HEAD_TYPES)}")
     if "model_path" in grid and len(axes["model"]) != 1:
         raise GridError(f"{path}: [grid] model_path names one model's folder; the grid lists {len(axes['model'])}")
     for key, kind in SETTINGS.items():
@@ -150,6 +155,7 @@ def read_grid(path: Path) -> tuple[list[Task], dict]:
                                   max_new_tokens=int(dec.get("max_new_tokens", 64)), model_path=grid.get("model_path"),
                                   device=grid.get("device") if platform == "cg" else None,
                                   dtype=grid.get("dtype", "fp32") if engine == "torch" else "fp32",
+                                  head_type=grid.get("head_type", "checkpoint") if engine == "torch" else "checkpoint",
                                   resources=ray.get("resources", {}).get(platform, {}),
                                   gpus=float(ray.get("gpus_per_cg_cell", 1)) if platform == "cg" else 0))
     return tasks, {"out": doc.get("out")}
@@ -177,7 +183,8 @@ def run_task(task: Task, out_dir: Path, log: Callable[[str], None] | None = None
     decoder, tokenizer, cfg = make_decoder(task.model, folder, task.method, task.platform,
                                            expert_type=task.expert_type, max_new_tokens=task.max_new_tokens,
                                            expert_file=lambda qt: expert_file_for(task.model, folder, qt, log=log),
-                                           spec=spec, engine=task.engine, device=task.device, dtype=task.dtype)
+                                           spec=spec, engine=task.engine, device=task.device, dtype=task.dtype,
+                                           head_type=task.head_type)
     try:
         summary = run_cells(cfg, task_prompts(task), decoder, tokenizer, out_dir / task.folder, log=log,
                             run_name=str(task.folder))

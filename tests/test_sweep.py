@@ -42,6 +42,12 @@ def test_a_grid_expands_to_cells_times_shards(tmp_path, tiny_checkpoint):
     assert len({t.folder for t in tasks}) == 4
 
 
+def test_a_grid_carries_the_head_type_to_its_torch_cells(tmp_path):
+    text = "[grid]\nengine = ['torch', 'llama.cpp']\nplatform = ['mn']\nhead_type = 'q4_0'\n"
+    tasks, _ = read_grid(_grid(tmp_path, None, text))
+    assert {(t.engine, t.head_type) for t in tasks} == {("torch", "q4_0"), ("llama.cpp", "checkpoint")}
+
+
 def test_the_shipped_grids_parse():
     from bench.grid import read_grid
 
@@ -60,6 +66,7 @@ def test_the_shipped_grids_parse():
     ("[prompts]\nsuite = ['poems']\n", "[prompts] suite: unknown poems"),
     ("[grid\n", "not TOML"),
     ("[output]\n", "unknown section or key 'output'"),
+    ("[grid]\nhead_type = 'q8_0'\n", "[grid] head_type: 'q8_0' not one of checkpoint, q4_0"),
 ])
 def test_a_bad_grid_names_the_key(tmp_path, text, words):
     with pytest.raises(GridError, match=None) as e:
