@@ -527,6 +527,7 @@ def test_q4_0_linear_is_row_invariant_and_close_to_the_float_matmul():
     w, x = torch.randn(80, 64, generator=g), torch.randn(12, 64, generator=g)
     q = quantize_q4_0(w)
     assert q.dtype == torch.uint8 and q.shape == (80, 64 // 32 * 18)
+    assert torch.equal(quantize_q4_0(w, rows_at_once=7), q)  # rows are quantised on their own
     y = q4_0_linear(x, q)
     assert torch.equal(torch.cat([q4_0_linear(x[i:i + 1], q) for i in range(12)]), y)
     want = x @ w.T
