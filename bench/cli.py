@@ -912,7 +912,10 @@ def speed_engines(model: ModelOpt = "ds-tiny", model_path: ModelPathOpt = None, 
     folder = resolve_or_fail(model, model_path)
     recs = _prompts_and_threads(suite, limit, threads, folder=folder)
     with _named_errors():
-        r = speed.engines(model, folder, recs, lambda qt: expert_file(model, folder, qt), max_new_tokens, rounds, log=log)
+        from bench.compare import measured_read_bw
+
+        r = speed.engines(model, folder, recs, lambda qt: expert_file(model, folder, qt), max_new_tokens, rounds,
+                          read_bw=measured_read_bw(_machine()), log=log)
     from paper_figs.engines import table
 
     head = (f"{model}, Q4_0 experts, {len(recs)} prompt(s) × {max_new_tokens} tokens, {r['threads']} thread(s), "

@@ -113,7 +113,7 @@ def compare(model: str, folder: Path, platform: str, prompts: list[dict], out_di
         rows[label]["method_args"] = cfg.method_args
         rows[label]["platform"] = cfg.platform
     cg_device = next((r["method_args"].get("device") for r in rows.values() if r["platform"] == "cg"), None)
-    bw = read_bw or (_measured_copy_in(machine, cg_device) if platform == "cg" else _measured_read_bw(machine))
+    bw = read_bw or (_measured_copy_in(machine, cg_device) if platform == "cg" else measured_read_bw(machine))
     for row in rows.values():
         row.update(metrics.relative(row, rows.get("ar")))
         row["physical_limit_tps"] = metrics.physical_limit_tps(row, bw) if row["platform"] != "resident" else None
@@ -132,7 +132,7 @@ def _measured_copy_in(machine: dict | None, device: str | None) -> float | None:
     return copy_in[key] * 1e9 if key in copy_in else None
 
 
-def _measured_read_bw(machine: dict | None) -> float | None:
+def measured_read_bw(machine: dict | None) -> float | None:
     """Bytes/s the machine's storage read (O_DIRECT, median) when `bench env` measured it."""
     io = ((machine or {}).get("storage") or {}).get("odirect_read") or {}
     return io["gb_per_s_median"] * 1e9 if "gb_per_s_median" in io else None

@@ -215,6 +215,7 @@ def engines(results_dir: Path, log, tokens: int = FIG1B_TOKENS, models: tuple[st
     prompt per suite). Kept when already measured on this machine for these weights."""
     from bench import prompts, registry, speed
     from bench.artifacts import expert_file_for
+    from bench.compare import measured_read_bw
     from bench.telemetry import machine_id
     from draftexpert.runtime.checkpoint import weights_fingerprint
     from paper_figs.engines import table
@@ -222,6 +223,8 @@ def engines(results_dir: Path, log, tokens: int = FIG1B_TOKENS, models: tuple[st
     import torch
 
     torch.set_num_threads(FIG1B_THREADS)
+    machine = results_dir / "machine.json"  # written first by reproduce: the storage's O_DIRECT bandwidth
+    read_bw = measured_read_bw(json.loads(machine.read_text()) if machine.exists() else None)
     written = []
     for model in models:
         folder = registry.resolve(model)
@@ -233,7 +236,7 @@ def engines(results_dir: Path, log, tokens: int = FIG1B_TOKENS, models: tuple[st
             res = old
         else:
             res = speed.engines(model, folder, prompts.load(limit=1), lambda qt: expert_file_for(model, folder, qt, log=log),
-                                tokens, rounds, log=log)
+                                tokens, rounds, read_bw=read_bw, log=log)
             write_json_atomic(path, res)
         (results_dir / f"engines_{model}_mn.md").write_text(
             f"{model} on mn, Q4_0 experts from one file, {res['prompts']} prompts (one per suite) × {tokens} new tokens, "

@@ -104,21 +104,25 @@ ENGINE_CELLS = [  # (label, make_decoder options)
     ("torch, Q4_0 head, resident", {"platform": "resident", "resident_from_file": True, "head_type": "q4_0"}),
     ("llama.cpp resident", {"platform": "resident", "engine": "llama.cpp"}),
 ]
+RESIDENT_OF = {"torch": "torch resident", "torch, Q4_0 head": "torch, Q4_0 head, resident",
+               "llama.cpp": "llama.cpp resident"}  # each offloaded cell → its resident bound
 
 
 def engines(model: str, folder: Path, prompts: list[dict], expert_file, max_new_tokens: int = 64, rounds: int = 3,
-            log=print) -> dict:
+            read_bw: float | None = None, log=print) -> dict:
     """AR decode ms/token of each `ENGINE_CELLS` configuration on the same prompts and Q4_0 expert file,
     in interleaved rounds (this VM's speed drifts within minutes: only same-round ratios are fair),
     each configuration loaded afresh per round and timed over its decode only. Reports the medians,
-    the engine ratio (torch / llama.cpp ms/token, the issue's ≤ 1.5× bar) for each torch head, each
-    engine's AR speed / its resident speed (the ≥ 0.6× bar), and whether AR's tokens equal its
-    resident bound's (staging is exact) and how far torch's tokens follow llama.cpp's."""
+    each offloaded cell's ms/token ÷ llama.cpp's (the issue's ≤ 1.5× bar for torch), its AR speed /
+    its resident bound's (the ≥ 0.6× bar), its physical limit (`read_bw`, the storage's measured
+    bytes/s, ÷ bytes moved per token: tokens/s with free compute), whether its tokens equal its
+    resident bound's (staging is exact), and how far torch's tokens follow llama.cpp's."""
     from bench.decoders import make_decoder
     from bench.prompts import render_prompt
 
     ms: dict[str, list[float]] = {label: [] for label, _ in ENGINE_CELLS}
     stall: dict[str, list[float]] = {label: [] for label, _ in ENGINE_CELLS}
+    moved: dict[str, float] = {}  # bytes moved per decoded token (the same every round)
     tokens: dict[str, list[list[int]]] = {}
     for rnd in range(rounds):
         for label, opts in ENGINE_CELLS:
@@ -130,8 +134,9 @@ def engines(model: str, folder: Path, prompts: list[dict], expert_file, max_new_
                 dec.close()
             n = sum(len(o.tokens) - 1 for o in out)  # decoded tokens (the first comes from the prefill)
             ms[label].append(1000 * sum(o.decode_s for o in out) / n)
-            stall[label].append(1000 * sum(o.stats["ledger"]["by_phase"].get("ar", {}).get("stall_s") or 0.0
-                                           for o in out) / n)
+            ar = [o.stats["ledger"]["by_phase"].get("ar", {}) for o in out]
+            stall[label].append(1000 * sum(a.get("stall_s") or 0.0 for a in ar) / n)
+            moved[label] = sum(a.get("bytes") or 0 for a in ar) / n
             tokens.setdefault(label, [o.tokens for o in out])
             log(f"round {rnd + 1}/{rounds} {label}: {ms[label][-1]:.2f} ms/token (stall {stall[label][-1]:.2f})")
     med = {label: statistics.median(v) for label, v in ms.items()}
@@ -148,16 +153,14 @@ def engines(model: str, folder: Path, prompts: list[dict], expert_file, max_new_
         "model": model, "expert_type": "q4_0", "prompts": len(prompts), "max_new_tokens": max_new_tokens,
         "rounds": rounds, "threads": torch.get_num_threads(), "machine_id": machine_id(),
         "weights": weights_fingerprint(folder),
+        "read_bw": read_bw, "resident_of": RESIDENT_OF,
         "ms_per_token": {label: _stats(v) for label, v in ms.items()},
         "stall_ms_per_token": {label: _stats(v) for label, v in stall.items()},
-        "torch_vs_llama_cpp": {"checkpoint head": med["torch"] / med["llama.cpp"],
-                               "Q4_0 head": med["torch, Q4_0 head"] / med["llama.cpp"]},
-        "ar_vs_resident_speed": {"torch": med["torch resident"] / med["torch"],
-                                 "torch, Q4_0 head": med["torch, Q4_0 head, resident"] / med["torch, Q4_0 head"],
-                                 "llama.cpp": med["llama.cpp resident"] / med["llama.cpp"]},
-        "ar_tokens_equal_resident": {e: tokens[e] == tokens[f"{e} resident" if e != "torch, Q4_0 head" else
-                                                          "torch, Q4_0 head, resident"]
-                                     for e in ("torch", "torch, Q4_0 head", "llama.cpp")},
+        "bytes_per_token": {e: moved[e] for e in RESIDENT_OF},
+        "limit_tps": {e: read_bw / moved[e] if read_bw and moved[e] else None for e in RESIDENT_OF},
+        "x_llama_cpp": {e: med[e] / med["llama.cpp"] for e in RESIDENT_OF},
+        "ar_vs_resident_speed": {e: med[r] / med[e] for e, r in RESIDENT_OF.items()},
+        "ar_tokens_equal_resident": {e: tokens[e] == tokens[r] for e, r in RESIDENT_OF.items()},
         "tokens_following_llama_cpp": {"checkpoint head": follows("torch", "llama.cpp"),
                                        "Q4_0 head": follows("torch, Q4_0 head", "llama.cpp")},
         "note": "decode ms/token, medians over interleaved rounds; each configuration loaded afresh per round",

@@ -144,7 +144,10 @@ def test_speed_engines_reports_both_engines_beside_their_resident_bounds():
     assert all(v["n"] == 1 and v["median"] > 0 for v in r["ms_per_token"].values())
     assert r["stall_ms_per_token"]["llama.cpp"]["median"] > 0 == r["stall_ms_per_token"]["llama.cpp resident"]["median"]
     assert all(r["ar_tokens_equal_resident"].values())
-    assert r["torch_vs_llama_cpp"]["Q4_0 head"] > 0 and 0 <= r["tokens_following_llama_cpp"]["Q4_0 head"] <= 8
+    assert r["x_llama_cpp"]["llama.cpp"] == 1 and r["x_llama_cpp"]["torch, Q4_0 head"] > 0
+    assert 0 <= r["tokens_following_llama_cpp"]["Q4_0 head"] <= 8
+    assert r["read_bw"] > 0 and all(r["limit_tps"][e] > 0 for e in r["resident_of"])  # measured by `bench env`'s probe
+    assert r["bytes_per_token"]["torch"] == r["bytes_per_token"]["llama.cpp"]  # the same experts, the same file
 
 
 def test_speed_host_measures_loads_against_a_copy():

@@ -149,17 +149,15 @@ class _Ggml:
             x = x.to(torch.float32).contiguous()
         weights = [w.contiguous() for w in weights]
         out = torch.empty(n, shapes[-1][0], dtype=torch.float32)
-        # the tensors' headers and (unused) data, the activations between the matmuls, the graph
-        need = lambda: sum(w.numel() for w in weights) + 4 * n * (H + 2 * sum(r for r, _ in shapes)) + (32 << 10)  # noqa: E731
         work = 2 * n * (H + shapes[0][0]) + (8 << 10)  # the Q8_0 copies of x and of the activation
         if n == 1:
             plan = self.one_row.get(shapes)
             if plan is None:
-                arena = ctypes.create_string_buffer(need())
+                arena = ctypes.create_string_buffer(_arena_bytes(1, H, weights, shapes))
                 plan = self.one_row[shapes] = (arena, *self._graph(arena, 1, H, shapes))
             _, ctx, graph, data = plan
         else:
-            need = need()
+            need = _arena_bytes(n, H, weights, shapes)
             if need > len(self.arena):
                 self.arena = ctypes.create_string_buffer(max(need, 2 * len(self.arena)))
             ctx, graph, data = self._graph(self.arena, n, H, shapes)
@@ -171,6 +169,12 @@ class _Ggml:
             if n != 1:
                 self.base.ggml_free(ctx)
         return out
+
+
+def _arena_bytes(n: int, H: int, weights, shapes) -> int:
+    """A graph's arena: the tensors' headers and (unused) weight data, the input, the activations
+    between the matmuls and the output, the graph."""
+    return sum(w.numel() for w in weights) + 4 * n * (H + 2 * sum(r for r, _ in shapes)) + (32 << 10)
 
 
 _KERNEL: _Ggml | None = None
