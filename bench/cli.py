@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import json
 import sys
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from bench import registry
+from draftexpert.speculation.config import SpecConfig
 
 app = typer.Typer(help="DraftExpert: exact, expansion-aware self-speculative decoding for offloaded MoE models.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
@@ -73,6 +74,7 @@ HeadTypeOpt = Annotated[str, typer.Option("--head-type", help="torch engine on a
                                           "holds them; attention stays in --dtype)")]
 CompileOpt = Annotated[bool, typer.Option("--compile", help="torch.compile the one-token decode step (static shapes; "
                                           "~20 s of compilation the first time).")]
+SPEC = SpecConfig()  # the round's defaults, the library's own
 REPO_ROOT = registry.REPO_ROOT
 WORK_DIR = REPO_ROOT / "work"
 
@@ -201,13 +203,11 @@ def plan(model: ModelOpt = "ds", model_path: ModelPathOpt = None, platform: Plat
     except registry.ModelNotFound as e:
         fail(str(e))
     cuda = platform == "cg" if cuda is None else cuda
-    from bench.decoders import DTYPES
-
-    if dtype not in DTYPES:
-        fail(f"--dtype: {dtype!r} is not one of {', '.join(DTYPES)}")
+    plan_cell = make_cell(model=model, method=method, platform=platform,
+                          dtype=dtype, expert_type=expert_type, k_max=k_max, device="cuda" if cuda else "cpu")
     p = make_plan(cfg, platform, cuda, dtype_bytes={"fp32": 4, "bf16": 2}[dtype], expert_type=expert_type,
                   working_set_bytes=_bytes(working_set, "--working-set") if working_set else 0,
-                  positions=1 if method == "ar" else k_max + 1,
+                  positions=plan_cell.positions,
                   draft_intermediate=cfg["moe_intermediate_size"] if method == "draftexpert" else 0)  # zero draft expert's
     host = _bytes(host_mem, "--host-mem") if host_mem else available_host_bytes()
     gpu = _bytes(gpu_mem, "--gpu-mem") if gpu_mem else None
@@ -390,23 +390,32 @@ def convert(model: ModelOpt = "ds-tiny",
          "\n".join(f"{k}: {v}" for k, v in files.items()) + ("\nevery file matches its checksums" if verify else ""))
 
 
-def _check_run_flags(platform: str, expert_type: str, suite: list[str] | None, head_type: str = "checkpoint") -> None:
-    """--platform, --expert-type, --suite and --head-type of `run` and `compare`, each named when wrong."""
+def _check_suites(suite: list[str] | None) -> None:
     from bench import prompts
-    from bench.decoders import PLATFORMS
-    from draftexpert.runtime.gguf_experts import TYPES
-    from draftexpert.runtime.loader import HEAD_TYPES
 
-    if head_type not in HEAD_TYPES:
-        fail(f"--head-type: {head_type!r} is not one of {', '.join(HEAD_TYPES)}")
-
-    if platform not in PLATFORMS:
-        fail(f"--platform: {platform!r} is not one of {', '.join(PLATFORMS)}")
-    if expert_type not in TYPES:
-        fail(f"--expert-type: {expert_type!r} is not one of {', '.join(TYPES)}")
     unknown = [s for s in suite or [] if s not in prompts.SUITES]
     if unknown:
         fail(f"--suite: unknown suite(s) {', '.join(unknown)}; known: {', '.join(prompts.SUITES)}")
+
+
+def given_options(ctx: typer.Context) -> set[str]:
+    """The parameters of a command that were set on its command line (not defaulted)."""
+    return {name for name in ctx.params if getattr(ctx.get_parameter_source(name), "name", None) == "COMMANDLINE"}
+
+
+def make_cell(given: set[str] = frozenset(), read_bw: str | None = None, working_set: str | None = None, **options):
+    """The one place a command's options become a `Cell` (sizes and rates parsed, choices and the
+    applicability rules checked; a refused option named, a warned one logged)."""
+    from bench.cell import CellError, build  # lazy: the cell pulls torch; `bench --help` should not
+
+    try:
+        cell, warnings = build(given, read_bw=_read_bw(read_bw),
+                               working_set=_bytes(working_set, "--working-set") if working_set else 0, **options)
+    except CellError as e:
+        fail(str(e))
+    for w in warnings:
+        log(f"warning: {w}")
+    return cell
 
 
 def _prompts_and_threads(suite: list[str] | None, limit: int | None, threads: int | None, from_hub: bool = False,
@@ -499,56 +508,6 @@ def _machine() -> dict:
     return collect(expert_storage(), measure_io=True, keep_probe=True)
 
 
-def _refuse_flags(ctx: typer.Context, names: list[str], why: str, warn: bool = False) -> None:
-    """Flags given on the command line that do not apply are refused (or, where they cannot change
-    the result, warned about) — never silently ignored."""
-    given = [p.opts[0] for p in ctx.command.params  # typer's own click: compare the source by name
-             if p.name in names and getattr(ctx.get_parameter_source(p.name), "name", None) == "COMMANDLINE"]
-    if given:
-        msg = f"{', '.join(given)} {'does' if len(given) == 1 else 'do'} not apply {why}"
-        if warn:
-            log(f"warning: {msg}; ignored")
-        else:
-            fail(msg)
-
-
-SPEC_FLAGS = ["r", "k_max", "tau", "budget", "budget_mode", "truncate", "prefetch", "draft_cache", "draft_experts"]
-
-
-def _check_applicable(ctx: typer.Context, method: str, platform: str, engine: str) -> None:
-    """What `run`'s flags apply to: speculation flags to the speculative methods (--r to top-r,
-    --draft-experts to draftexpert), movement flags to the offload platforms, the reference to
-    nothing but the prompts."""
-    if method in ("ar", "reference"):
-        _refuse_flags(ctx, SPEC_FLAGS, f"to --method {method} (they set the speculative methods)")
-    if method == "top-r":
-        _refuse_flags(ctx, ["draft_experts"], "to --method top-r (its drafter is the target's own top-r experts)")
-    if method == "draftexpert":
-        _refuse_flags(ctx, ["r"], "to --method draftexpert (its drafter is shared + top-1 + the draft expert)")
-    if method == "reference":
-        why = "to --method reference (transformers' greedy decoding, every weight resident)"
-        _refuse_flags(ctx, ["temperature", "engine", "read_bw", "compile", "device", "dtype", "working_set",
-                            "expert_kernel", "head_type"], why)
-        _refuse_flags(ctx, ["platform", "expert_type", "cache_experts", "staging_budget", "staging", "seed"], why, warn=True)
-        return
-    if platform == "mn":
-        _refuse_flags(ctx, ["device"], f"to --platform {platform} (it runs on the CPU here; cg is the GPU platform, "
-                      "resident takes --device cuda as its upper bound)")
-    if engine == "llama.cpp":
-        _refuse_flags(ctx, ["dtype", "expert_kernel", "head_type"], "to --engine llama.cpp (it computes in the model "
-                      "file's types)")
-    if platform != "mn":
-        _refuse_flags(ctx, ["read_bw"], f"to --platform {platform} (nothing is read from storage)")
-        _refuse_flags(ctx, ["staging_budget"], f"to --platform {platform} (nothing is read from storage)", warn=True)
-    if platform == "cg" or (platform == "resident" and engine == "torch"):
-        _refuse_flags(ctx, ["expert_type"], f"to --platform {platform} on the torch engine (the checkpoint's "
-                      "weights are used as they are)", warn=True)
-    if platform == "resident":
-        _refuse_flags(ctx, ["cache_experts"], "to --platform resident (every expert is already on the accelerator)",
-                      warn=True)
-        _refuse_flags(ctx, ["working_set"], "to --platform resident (nothing is moved)")
-
-
 OverflowOpt = Annotated[str, typer.Option("--context-overflow", help="A prompt whose tokens + --max-new-tokens "
                                           "(+ K_max + 1) exceed the context: skip (recorded, the rest runs) | "
                                           "refuse (nothing runs)")]
@@ -562,23 +521,23 @@ def run(ctx: typer.Context, model: ModelOpt = "ds-tiny", model_path: ModelPathOp
                                                    "between forwards (0: the paper's cold setting).")] = 0,
         staging_budget: Annotated[int, typer.Option("--staging-budget", min=0, help="mn: bytes of raw experts kept "
                                                     "staged in DRAM between steps.")] = 0,
-        temperature: Annotated[float, typer.Option("--temperature", min=0.0)] = 0.0,
-        seed: Annotated[int, typer.Option("--seed")] = 0,
+        temperature: Annotated[float, typer.Option("--temperature", min=0.0)] = SPEC.temperature,
+        seed: Annotated[int, typer.Option("--seed")] = SPEC.seed,
         suite: SuiteOpt = None, prompts_file: PromptsOpt = None, limit: LimitOpt = None,
         max_new_tokens: MaxNewTokensOpt = 64, threads: ThreadsOpt = None,
         from_hub: Annotated[bool, typer.Option("--from-hub", help="Load the suites from the Hugging Face hub with "
                                                "`datasets` (online users) instead of the committed subsets.")] = False,
         out: OutOpt = None,
         r: Annotated[int, typer.Option("--r", min=1, help="top-r: routed experts the drafter runs.")] = 1,
-        k_max: KMaxOpt = 4, tau: TauOpt = 0.6, budget: BudgetOpt = 24,
+        k_max: KMaxOpt = SPEC.k_max, tau: TauOpt = SPEC.tau, budget: BudgetOpt = SPEC.budget,
         budget_mode: Annotated[str, typer.Option("--budget-mode", help="fixed | cache (count only experts not on "
-                                                 "the accelerator)")] = "fixed",
+                                                 "the accelerator)")] = SPEC.budget_mode,
         truncate: Annotated[bool, typer.Option("--truncate/--no-truncate", help="Confidence–expansion truncation "
-                                               "(off: the fixed-K ablation).")] = True,
+                                               "(off: the fixed-K ablation).")] = SPEC.truncate,
         prefetch: Annotated[bool, typer.Option("--prefetch/--no-prefetch", help="Draft-router prefetch of predicted "
-                                               "verifier experts.")] = True,
+                                               "verifier experts.")] = SPEC.prefetch,
         draft_cache: Annotated[str, typer.Option("--draft-cache", help="shared (drafter reads the target's KV cache) "
-                                                 "| own (its own cache)")] = "shared",
+                                                 "| own (its own cache)")] = SPEC.draft_cache,
         draft_experts: DraftExpertsOpt = None, compile: CompileOpt = False, engine: EngineOpt = "torch",
         staging: StagingOpt = "demand", read_bw: ReadBwOpt = None, context_overflow: OverflowOpt = "skip",
         device: DeviceOpt = None, dtype: DtypeOpt = "fp32", working_set: WorkingSetOpt = None,
@@ -590,53 +549,27 @@ def run(ctx: typer.Context, model: ModelOpt = "ds-tiny", model_path: ModelPathOp
     as drafter; `draftexpert`: with shared + top-1 + draft expert, confidence–expansion
     truncation and draft-router prefetch (Algorithm 1). `reference`: the target's plain greedy
     decoding through transformers, weights resident — the exactness oracle."""
-    from bench.decoders import METHODS, SpecOptions, make_decoder
+    from bench.decoders import make_decoder
     from bench.readcap import ReadCap
     from bench.runner import OVERFLOW, run_cells
-    from draftexpert.speculation.round import SpecConfig
 
-    if method not in METHODS:
-        fail(f"--method: {method!r} is not available; available: {', '.join(METHODS)}")
-    if budget_mode not in ("fixed", "cache"):
-        fail(f"--budget-mode: {budget_mode!r} is not one of fixed, cache")
-    if draft_cache not in ("shared", "own"):
-        fail(f"--draft-cache: {draft_cache!r} is not one of shared, own")
     if context_overflow not in OVERFLOW:
         fail(f"--context-overflow: {context_overflow!r} is not one of {', '.join(OVERFLOW)}")
-    _check_run_flags(platform, expert_type, suite, head_type)
-    _check_applicable(ctx, method, platform, engine)
+    _check_suites(suite)
+    cell = make_cell(given_options(ctx), model=model, method=method, platform=platform, engine=engine,
+                     expert_type=expert_type, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
+                     cache_experts=cache_experts, staging_budget=staging_budget, staging=staging, read_bw=read_bw,
+                     device=device, dtype=dtype, working_set=working_set, expert_kernel=expert_kernel,
+                     head_type=head_type, compile=compile, r=r, k_max=k_max, tau=tau, budget=budget,
+                     budget_mode=budget_mode, truncate=truncate, prefetch=prefetch, draft_cache=draft_cache,
+                     draft_experts=draft_experts)
     folder = resolve_or_fail(model, model_path)
-    if method == "top-r":
-        from draftexpert.runtime.loader import load_config
-
-        top_k = load_config(folder).num_experts_per_tok
-        if not r < top_k:
-            fail(f"--r: {r} must be below the target's top-k ({top_k}); r = {top_k} is the target itself")
-    rate = _read_bw(read_bw)
-    ws = _bytes(working_set, "--working-set") if working_set else 0
-    label = f"top-{r}" if method == "top-r" else method
-    engine_tag = "-llama.cpp" if engine == "llama.cpp" else ""
     recs = _prompts_and_threads(suite, limit, threads, from_hub, prompts_file, folder, engine)  # before any folder
-    run_dir = _run_dir(out, REPO_ROOT / "runs" / f"{model}-{label}-{'resident' if method == 'reference' else platform}"
-                                               f"{engine_tag}")
-    spec = SpecOptions(r=r, draft_experts=draft_experts,
-                       round=SpecConfig(k_max=k_max, tau=tau, budget=budget, budget_mode=budget_mode, truncate=truncate,
-                                        prefetch=prefetch, draft_cache=draft_cache))
+    run_dir = _run_dir(out, cell.run_dir(REPO_ROOT))
     with _named_errors(), _resumable(run_dir):
-        decoder, tokenizer, cfg = make_decoder(model, folder, method, platform, expert_type=expert_type,
-                                               cache_experts=cache_experts, staging_budget=staging_budget,
-                                               temperature=temperature, seed=seed, max_new_tokens=max_new_tokens,
-                                               expert_file=lambda qt: expert_file(model, folder, qt), spec=spec,
-                                               compile=compile, engine=engine, staging=staging, device=device,
-                                               dtype=dtype, working_set=ws, expert_kernel=expert_kernel,
-                                               head_type=head_type)
+        decoder, tokenizer, cfg = make_decoder(cell, folder, lambda qt: expert_file(model, folder, qt))
         machine = _machine()
-        if rate:
-            cfg.method_args["read_bw"] = rate  # a capped cell is another cell
-            with ReadCap(rate, expert_file(model, folder, expert_type)):
-                summary = run_cells(cfg, recs, decoder, tokenizer, run_dir, machine=machine, log=log,
-                                    on_overflow=context_overflow)
-        else:
+        with ReadCap(cell.read_bw, expert_file(model, folder, expert_type)) if cell.read_bw else nullcontext():
             summary = run_cells(cfg, recs, decoder, tokenizer, run_dir, machine=machine, log=log,
                                 on_overflow=context_overflow)
     if as_json:  # every record of this configuration: tokens and every ledger metric, per prompt
@@ -651,7 +584,7 @@ def run(ctx: typer.Context, model: ModelOpt = "ds-tiny", model_path: ModelPathOp
 
 
 @app.command()
-def compare(model: ModelOpt = "ds-tiny", model_path: ModelPathOpt = None,
+def compare(ctx: typer.Context, model: ModelOpt = "ds-tiny", model_path: ModelPathOpt = None,
             platform: PlatformOpt = "mn", expert_type: ExpertTypeOpt = "q4_0",
             method: Annotated[list[str] | None, typer.Option("--method", help="Subset of the set's methods "
                                                              "(default all).")] = None,
@@ -661,11 +594,11 @@ def compare(model: ModelOpt = "ds-tiny", model_path: ModelPathOpt = None,
             suite: SuiteOpt = None, prompts_file: PromptsOpt = None,
             limit: Annotated[int | None, typer.Option("--limit", min=1, help="First N prompts of each suite "
                                                       "(default 2), or of --prompts (default all).")] = None,
-            max_new_tokens: MaxNewTokensOpt = 64, k_max: KMaxOpt = 4, tau: TauOpt = 0.6, budget: BudgetOpt = 24,
-            draft_experts: DraftExpertsOpt = None, threads: ThreadsOpt = None, compile: CompileOpt = False,
-            engine: EngineOpt = "torch", staging: StagingOpt = "demand", read_bw: ReadBwOpt = None,
-            device: DeviceOpt = None, dtype: DtypeOpt = "fp32", working_set: WorkingSetOpt = None,
-            expert_kernel: KernelOpt = "auto", head_type: HeadTypeOpt = "checkpoint",
+            max_new_tokens: MaxNewTokensOpt = 64, k_max: KMaxOpt = SPEC.k_max, tau: TauOpt = SPEC.tau,
+            budget: BudgetOpt = SPEC.budget, draft_experts: DraftExpertsOpt = None, threads: ThreadsOpt = None,
+            compile: CompileOpt = False, engine: EngineOpt = "torch", staging: StagingOpt = "demand",
+            read_bw: ReadBwOpt = None, device: DeviceOpt = None, dtype: DtypeOpt = "fp32",
+            working_set: WorkingSetOpt = None, expert_kernel: KernelOpt = "auto", head_type: HeadTypeOpt = "checkpoint",
             caps: Annotated[list[str] | None, typer.Option("--cap", help="--set regime: the read caps to sweep "
                                                            "(default 16…512 MB/s and uncapped; 'none' = uncapped)")] = None,
             out: OutOpt = None, as_json: JsonOpt = False):
@@ -673,8 +606,6 @@ def compare(model: ModelOpt = "ds-tiny", model_path: ModelPathOpt = None,
     prefetch): decode TPS, α, τ, unique layer-experts per draft / verify block, loads and bytes per
     token, prefetch hit / waste — one table from the records; resumable."""
     from bench import compare as cmp
-    from bench.decoders import SpecOptions
-    from draftexpert.speculation.round import SpecConfig
     from paper_figs.spec_table import table, table4
 
     if method_set not in cmp.SETS:
@@ -683,23 +614,23 @@ def compare(model: ModelOpt = "ds-tiny", model_path: ModelPathOpt = None,
     bad = [m for m in method or [] if m not in known]
     if bad:
         fail(f"--method: unknown {', '.join(bad)}; known: {', '.join(known)}")
-    _check_run_flags(platform, expert_type, suite, head_type)
-    folder = resolve_or_fail(model, model_path)
-    rate = _read_bw(read_bw)
-    if method_set == "regime" and rate:
+    if method_set == "regime" and read_bw:
         fail("--read-bw: the regime set sweeps its own caps (--cap)")
+    _check_suites(suite)
+    # the set's methods vary: the base cell is DraftExpert's, the rules checked against it
+    cell = make_cell(given_options(ctx) & {"device", "read_bw", "dtype", "expert_kernel", "head_type"},
+                     model=model, method="draftexpert", platform=platform, engine=engine, expert_type=expert_type,
+                     max_new_tokens=max_new_tokens, staging=staging, read_bw=read_bw, device=device, dtype=dtype,
+                     working_set=working_set, expert_kernel=expert_kernel, head_type=head_type, compile=compile,
+                     k_max=k_max, tau=tau, budget=budget, draft_experts=draft_experts)
+    folder = resolve_or_fail(model, model_path)
     cap_list = [None if c.lower() == "none" else _read_bw(c) for c in caps] if caps else None
     recs = _prompts_and_threads(suite, limit or (None if prompts_file else 2), threads, prompts_file=prompts_file,
                                 folder=folder, engine=engine)
-    out_dir = _run_dir(out, REPO_ROOT / "runs" / f"compare-{model}-{platform}{'-llama.cpp' if engine == 'llama.cpp' else ''}")
-    spec = SpecOptions(draft_experts=draft_experts, round=SpecConfig(k_max=k_max, tau=tau, budget=budget))
+    out_dir = _run_dir(out, REPO_ROOT / "runs" / f"compare-{model}-{platform}{cell.engine_tag}")
     with _named_errors(), _resumable(out_dir):
-        res = cmp.compare(model, folder, platform, recs, out_dir, max_new_tokens, spec, expert_type,
-                          lambda qt: expert_file(model, folder, qt), _machine(),
-                          labels=method, log=log, compile=compile, method_set=method_set, engine=engine,
-                          staging=staging, read_bw=rate, caps=cap_list, device=device, dtype=dtype,
-                          working_set=_bytes(working_set, "--working-set") if working_set else 0,
-                          expert_kernel=expert_kernel, head_type=head_type)
+        res = cmp.compare(cell, folder, recs, out_dir, lambda qt: expert_file(model, folder, qt), _machine(),
+                          labels=method, log=log, method_set=method_set, caps=cap_list)
     if method_set == "regime":
         from paper_figs.regime import table as regime_table
 
@@ -724,7 +655,7 @@ def eval_cmd(model: ModelOpt = "ds-tiny", model_path: ModelPathOpt = None,
              max_gen_toks: Annotated[int, typer.Option("--max-gen-toks", min=1, help="Most new tokens per "
                                                        "answer (lm-eval's max_gen_toks).")] = 256,
              r: Annotated[int, typer.Option("--r", min=1, help="top-r: routed experts the drafter runs.")] = 1,
-             k_max: KMaxOpt = 4, tau: TauOpt = 0.6, budget: BudgetOpt = 24,
+             k_max: KMaxOpt = SPEC.k_max, tau: TauOpt = SPEC.tau, budget: BudgetOpt = SPEC.budget,
              draft_experts: DraftExpertsOpt = None, threads: ThreadsOpt = None,
              allow_code: Annotated[bool, typer.Option("--allow-code-execution", help="Let tasks whose metric runs "
                                                       "the generated code (mbpp) run it (a fresh isolated "
@@ -741,7 +672,7 @@ def eval_cmd(model: ModelOpt = "ds-tiny", model_path: ModelPathOpt = None,
         fail(f"--method: {', '.join(bad)} cannot be evaluated; choose from ar, top-r, draftexpert")
     if len(set(methods)) != len(methods):
         fail("--method: a method is listed twice")
-    _check_run_flags(platform, expert_type, None)
+    cell = make_cell(model=model, method="draftexpert", platform=platform, engine=engine, expert_type=expert_type)
     folder = resolve_or_fail(model, model_path)
     try:
         check_tasks(task_list, allow_code)  # before any folder exists
@@ -751,7 +682,7 @@ def eval_cmd(model: ModelOpt = "ds-tiny", model_path: ModelPathOpt = None,
         import torch
 
         torch.set_num_threads(threads)
-    out_dir = _run_dir(out, REPO_ROOT / "runs" / f"eval-{model}-{platform}{'-llama.cpp' if engine == 'llama.cpp' else ''}")
+    out_dir = _run_dir(out, REPO_ROOT / "runs" / f"eval-{model}-{platform}{cell.engine_tag}")
     lm_args = {"expert_type": expert_type, "r": r, "k_max": k_max, "tau": tau, "budget": budget,
                "draft_experts": str(draft_experts) if draft_experts else None}
     with _named_errors(), _resumable(out_dir):
@@ -847,7 +778,7 @@ def crosscheck(model: ModelOpt = "ds-tiny", model_path: ModelPathOpt = None,
 
     if qtype not in ("f32", "f16"):
         fail(f"--type: {qtype!r} — compare engines at f32 or f16; a quantized file is a different model")
-    _check_run_flags("mn", qtype, suite)
+    _check_suites(suite)
     folder = resolve_or_fail(model, model_path)
     torch.set_num_threads(threads)
     recs = [p for s in (suite or list(prompts.SUITES)) for p in prompts.load(s, limit)]
@@ -904,11 +835,11 @@ def speed_engines(model: ModelOpt = "ds-tiny", model_path: ModelPathOpt = None, 
                   max_new_tokens: MaxNewTokensOpt = 64, threads: ThreadsOpt = 1,
                   rounds: Annotated[int, typer.Option("--rounds", min=1)] = 3, as_json: JsonOpt = False):
     """AR on platform mn, Q4_0 experts from one file: the torch engine (checkpoint head and --head-type
-    q4_0) vs llama.cpp, each beside its resident bound, in interleaved rounds — the engine ratio and
-    AR / resident of #13's bars."""
+    q4_0) vs llama.cpp, each beside its resident bound, in interleaved rounds: the engine ratio and each
+    engine's AR / resident."""
     from bench import speed
 
-    _check_run_flags("mn", "q4_0", suite)
+    _check_suites(suite)
     folder = resolve_or_fail(model, model_path)
     recs = _prompts_and_threads(suite, limit, threads, folder=folder)
     with _named_errors():

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bench.decoders import SpecOptions
+from bench.cell import Cell
 
 # (label, method, spec overrides; "platform" overrides the set's): the paper's top-r baseline is
 # plain self-speculation (fixed K, no prefetch); DraftExpert runs with truncation and prefetch
@@ -48,15 +48,13 @@ SETS = {"table2": METHODS, "table4": POLICIES, "fig3": FOOTPRINT, "regime": METH
 REGIME_CELL = "regime-cell"  # one cap of the regime set (its methods; `compare` recurses with it)
 
 
-def compare(model: str, folder: Path, platform: str, prompts: list[dict], out_dir: Path, max_new_tokens: int,
-            spec: SpecOptions, expert_type: str, expert_file, machine: dict | None, labels: list[str] | None = None,
-            log=print, compile: bool = False, method_set: str = "table2", engine: str = "torch",
-            staging: str = "demand", read_bw: int | None = None, caps: list[int | None] | None = None,
-            device: str | None = None, dtype: str = "fp32", working_set: int = 0, expert_kernel: str = "auto",
-            head_type: str = "checkpoint") -> dict:
-    """One set's methods through the runner, then one row per method from the records. `read_bw`
-    caps the storage reads of every cell (`bench.readcap`); the `regime` set repeats Table 2's
-    methods under each of `caps` (default REGIME_CAPS), each cap in its own sub-folder."""
+def compare(base: Cell, folder: Path, prompts: list[dict], out_dir: Path, expert_file, machine: dict | None,
+            labels: list[str] | None = None, log=print, method_set: str = "table2",
+            caps: list[int | None] | None = None) -> dict:
+    """One set's methods through the runner, then one row per method from the records. Each method's
+    cell is `base` with the set's overrides; `base.read_bw` caps the storage reads of every cell
+    (`bench.readcap`); the `regime` set repeats Table 2's methods under each of `caps` (default
+    REGIME_CAPS), each cap in its own sub-folder."""
     from bench.decoders import make_decoder
     from bench.readcap import ReadCap
     from bench.results import read_records
@@ -64,16 +62,15 @@ def compare(model: str, folder: Path, platform: str, prompts: list[dict], out_di
     from draftexpert import metrics
     from draftexpert.runtime.params import WontFit
 
-    args = (model, folder, platform, prompts)
+    platform, read_bw = base.platform, base.read_bw
     if method_set == "regime":
         per_cap = []
         for cap in caps or REGIME_CAPS:
             log(f"=== read cap {cap / 1e6:.0f} MB/s" if cap else "=== uncapped")
             sub = out_dir / (f"cap-{cap // 10**6}MBps" if cap else "uncapped")
-            per_cap.append(compare(*args, sub, max_new_tokens, spec, expert_type, expert_file, machine, labels, log,
-                                   compile, REGIME_CELL, engine, staging, read_bw=cap, device=device, dtype=dtype,
-                                   working_set=working_set, expert_kernel=expert_kernel, head_type=head_type))
-        return {"model": model, "platform": platform, "engine": engine, "set": "regime", "caps": per_cap}
+            per_cap.append(compare(base.with_(read_bw=cap), folder, prompts, sub, expert_file, machine, labels, log,
+                                   REGIME_CELL))
+        return {"model": base.model, "platform": platform, "engine": base.engine, "set": "regime", "caps": per_cap}
     rows = {}
     for label, method, over in SETS["regime" if method_set == REGIME_CELL else method_set]:
         if labels and label not in labels:
@@ -82,17 +79,14 @@ def compare(model: str, folder: Path, platform: str, prompts: list[dict], out_di
         cell_platform = over.pop("platform", platform)
         if cell_platform != platform and (read_bw or platform not in ("mn", "cg")):
             continue  # the resident bound is measured once, beside the uncapped offload rows
-        # mn's bound holds the expert file's experts on the CPU; cg's the checkpoint's, on cg's accelerator
-        cell_device = device if cell_platform == "cg" else (device or "cuda") if platform == "cg" else None
+        if cell_platform == platform:
+            cell = base.with_(method=method, **over)
+        else:  # mn's bound holds the expert file's experts on the CPU; cg's the checkpoint's, on cg's accelerator
+            cell = base.with_(method=method, platform=cell_platform, resident_from_file=platform == "mn",
+                              device=(base.device or "cuda") if platform == "cg" else None, working_set=0,
+                              cache_experts=0, staging_budget=0, **over)
         try:
-            decoder, tokenizer, cfg = make_decoder(model, folder, method, cell_platform, expert_type=expert_type,
-                                                   max_new_tokens=max_new_tokens, expert_file=expert_file,
-                                                   spec=spec.with_(**over), compile=compile, engine=engine,
-                                                   staging=staging,
-                                                   resident_from_file=platform == "mn" and cell_platform != platform,
-                                                   device=cell_device, dtype=dtype,
-                                                   working_set=working_set if cell_platform != "resident" else 0,
-                                                   expert_kernel=expert_kernel, head_type=head_type)
+            decoder, tokenizer, cfg = make_decoder(cell, folder, expert_file)
         except WontFit as e:
             if cell_platform == platform:
                 raise
@@ -101,8 +95,7 @@ def compare(model: str, folder: Path, platform: str, prompts: list[dict], out_di
         run_dir = out_dir / label
         log(f"== {label} → {run_dir}")
         if read_bw:
-            cfg.method_args["read_bw"] = read_bw  # a capped cell is another cell
-            with ReadCap(read_bw, expert_file(expert_type)):
+            with ReadCap(read_bw, expert_file(base.expert_type)):
                 summary = run_cells(cfg, prompts, decoder, tokenizer, run_dir, machine=machine, log=log)
         else:
             summary = run_cells(cfg, prompts, decoder, tokenizer, run_dir, machine=machine, log=log)
@@ -119,9 +112,10 @@ def compare(model: str, folder: Path, platform: str, prompts: list[dict], out_di
         row["physical_limit_tps"] = metrics.physical_limit_tps(row, bw) if row["platform"] != "resident" else None
     same = {label: all(row["tokens"][p] == rows["ar"]["tokens"][p] for p in row["tokens"])
             for label, row in rows.items() if "ar" in rows and label != "ar"}
-    return {"model": model, "platform": platform, "engine": engine, "set": method_set, "expert_type": expert_type if platform == "mn" else None,
-            "max_new_tokens": max_new_tokens, "read_bw": read_bw, "limit_read_bw": bw, "spec": spec.as_dict(),
-            "methods": rows, "tokens_equal_ar": same}
+    return {"model": base.model, "platform": platform, "engine": base.engine, "set": method_set,
+            "expert_type": base.expert_type if platform == "mn" else None, "max_new_tokens": base.max_new_tokens,
+            "read_bw": read_bw, "limit_read_bw": bw, "spec": base.spec.as_dict(), "methods": rows,
+            "tokens_equal_ar": same}
 
 
 def _measured_copy_in(machine: dict | None, device: str | None) -> float | None:

@@ -32,7 +32,13 @@ from pathlib import Path
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
+import torch
+
 from bench import registry
+from bench.artifacts import expert_file_for
+from bench.cell import build
+from bench.decoders import context_length, make_decoder
+from draftexpert.speculation.config import SpecConfig
 from bench.eval_tasks import OFFLINE_TASKS, TASKS_DIR, UNSAFE
 
 
@@ -52,22 +58,20 @@ def cut_at_stop(text: str, until: list[str]) -> str:
     return text
 
 
+SPEC = SpecConfig()
+
+
 @register_model("draftexpert")
 class DraftExpertLM(LM):
     """An lm-eval model decoding with one of the suite's methods (args as in `bench run`)."""
 
     def __init__(self, model: str = "ds-tiny", method: str = "ar", platform: str = "mn", engine: str = "torch",
-                 model_path: str | None = None, expert_type: str = "q4_0", r: int = 1, k_max: int = 4,
-                 tau: float = 0.6, budget: int = 24, truncate=True, prefetch=True, draft_experts: str | None = None,
-                 max_gen_toks: int = 256, threads: int | None = None, out: str | None = None, dtype: str = "fp32",
-                 head_type: str = "checkpoint", log: Callable[[str], None] = _stderr, **lm_eval_args):
+                 model_path: str | None = None, expert_type: str = "q4_0", r: int = 1, k_max: int = SPEC.k_max,
+                 tau: float = SPEC.tau, budget: int = SPEC.budget, truncate=SPEC.truncate, prefetch=SPEC.prefetch,
+                 draft_experts: str | None = None, max_gen_toks: int = 256, threads: int | None = None,
+                 out: str | None = None, dtype: str = "fp32", head_type: str = "checkpoint",
+                 log: Callable[[str], None] = _stderr, **lm_eval_args):
         super().__init__()
-        import torch
-
-        from bench.artifacts import expert_file_for
-        from bench.decoders import SpecOptions, context_length, make_decoder
-        from draftexpert.speculation.round import SpecConfig
-
         # lm_eval_args: lm-eval's batch_size / device / … — one sequence at a time; device matters to cg only
         if threads:
             torch.set_num_threads(int(threads))
@@ -75,18 +79,14 @@ class DraftExpertLM(LM):
         self.model_name, self.method, self.platform, self.engine = model, method, platform, engine
         self.expert_type, self.max_gen_toks, self.log = expert_type, int(max_gen_toks), log
         self._expert_file = lambda qt: expert_file_for(model, self.folder, qt, log=log)
-        spec = SpecOptions(r=int(r), draft_experts=Path(draft_experts) if draft_experts else None,
-                           round=SpecConfig(k_max=int(k_max), tau=float(tau), budget=int(budget),
-                                            truncate=_flag(truncate), prefetch=_flag(prefetch)))
         device = str(lm_eval_args.get("device") or "")  # lm-eval's --device: cg's GPU or the CPU
         device = ("cpu" if device == "cpu" else "cuda" if device.startswith("cuda") else None) if platform == "cg" else None
-        self.decoder, self.tokenizer, self.cfg = make_decoder(model, self.folder, method, platform,
-                                                              expert_type=expert_type, spec=spec, engine=engine,
-                                                              expert_file=self._expert_file, device=device,
-                                                              dtype=str(dtype), head_type=str(head_type))
-        label = f"top-{r}" if method == "top-r" else method
-        self.run_dir = Path(out) if out else (registry.REPO_ROOT / "runs" / f"eval-{model}-{label}-{platform}"
-                                              f"{'-llama.cpp' if engine == 'llama.cpp' else ''}")
+        spec = {"r": int(r), "k_max": int(k_max), "tau": float(tau), "budget": int(budget), "truncate": _flag(truncate),
+                "prefetch": _flag(prefetch), "draft_experts": Path(draft_experts) if draft_experts else None}
+        self.cell, _ = build(model=model, method=method, platform=platform, engine=engine, expert_type=expert_type,
+                             device=device, dtype=str(dtype), head_type=str(head_type), **spec)
+        self.decoder, self.tokenizer, self.cfg = make_decoder(self.cell, self.folder, self._expert_file)
+        self.run_dir = Path(out) if out else self.cell.run_dir(registry.REPO_ROOT, prefix="eval-")
         self.max_length = context_length(self.folder, engine)
         self._target = None  # the scorer's model, built on the first loglikelihood request
         self.requested: set[tuple[str, str]] = set()  # (config hash, prompt id) of every generation asked for

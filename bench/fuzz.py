@@ -6,8 +6,8 @@ method (AR offload, shared+top-r for every r < k, DraftExpert with each distille
 zero draft expert), K_max, τ, B, budget mode, truncation, prefetch, the drafter's KV cache, the
 accelerator cache, llama.cpp's staging, a prompt (a suite prompt, or random token ids), the
 number of new tokens and — on the torch engine, which samples — the temperature and seed, and
-(drawn last, so earlier campaigns' other draws stay as they were) the torch engine's head type on
-the CPU platforms. Each
+(drawn last, so that adding it left every other draw of a case as it was) the torch engine's head
+type on the CPU platforms. Each
 decoder is built by `bench.decoders.make_decoder`, the factory `bench run` uses.
 
 Plain decoding is AR with every expert resident on the same weights: the checkpoint's for the
@@ -30,6 +30,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from bench import prompts, registry
+from bench.cell import Cell, SpecOptions
+from bench.decoders import available_device, make_decoder
+from bench.prompts import render_prompt
+from draftexpert.speculation.config import SpecConfig
+
+SPEC = SpecConfig()
 
 MODELS = ("ds-tiny", "ml-tiny")
 PLATFORMS = {"torch": ("resident", "cg", "mn"), "llama.cpp": ("mn", "resident")}
@@ -46,20 +52,20 @@ class Case:
     expert_type: str = "q4_0"
     r: int = 1
     draft_experts: str | None = None  # a preset file name, "zero", or None (the default: `full`)
-    k_max: int = 4
-    tau: float = 0.6
-    budget: int = 24
-    budget_mode: str = "fixed"
-    truncate: bool = True
-    prefetch: bool = True
-    draft_cache: str = "shared"
+    k_max: int = SPEC.k_max
+    tau: float = SPEC.tau
+    budget: int = SPEC.budget
+    budget_mode: str = SPEC.budget_mode
+    truncate: bool = SPEC.truncate
+    prefetch: bool = SPEC.prefetch
+    draft_cache: str = SPEC.draft_cache
     cache_experts: int = 0
     staging: str = "demand"
     prompt_id: str | None = None  # a suite prompt, else `random_ids`
     random_ids: list[int] = field(default_factory=list)
     max_new_tokens: int = 16
     temperature: float = 0.0
-    seed: int = 0
+    seed: int = SPEC.seed
     head_type: str = "checkpoint"
 
 
@@ -113,24 +119,19 @@ class Campaign:
         self._plain: dict[tuple, list[int]] = {}
         self._prompts = {p["id"]: p["prompt"] for s in prompts.SUITES for p in prompts.load(s)}
 
-    def _decoder(self, case: Case, method: str, platform: str, cache_experts: int, spec=None,
+    def _decoder(self, case: Case, method: str, platform: str, cache_experts: int, spec: SpecOptions | None = None,
                  resident_from_file: bool = False):
-        from bench.decoders import SpecOptions, available_device, make_decoder
-
         folder = registry.resolve(case.model)
-        return make_decoder(case.model, folder, method, platform, expert_type=case.expert_type,
-                            cache_experts=cache_experts, temperature=case.temperature, seed=case.seed,
-                            max_new_tokens=case.max_new_tokens,
-                            expert_file=lambda qt: self.expert_file(case.model, folder, qt),
-                            spec=spec or SpecOptions(), engine=case.engine,
-                            device=available_device(platform) if case.engine == "torch" else None,
-                            staging=case.staging if case.engine == "llama.cpp" else "demand",
-                            resident_from_file=resident_from_file,
-                            head_type=case.head_type)
+        cell = Cell(model=case.model, method=method, platform=platform, engine=case.engine,
+                    expert_type=case.expert_type, max_new_tokens=case.max_new_tokens,
+                    temperature=case.temperature, seed=case.seed, cache_experts=cache_experts,
+                    staging=case.staging if case.engine == "llama.cpp" else "demand",
+                    resident_from_file=resident_from_file,
+                    device=available_device(platform) if case.engine == "torch" else None,
+                    head_type=case.head_type, spec=spec or SpecOptions())
+        return make_decoder(cell, folder, lambda qt: self.expert_file(case.model, folder, qt))
 
     def prompt_ids(self, case: Case, tokenizer) -> list[int]:
-        from bench.prompts import render_prompt
-
         return list(case.random_ids) if case.random_ids else render_prompt(tokenizer, self._prompts[case.prompt_id])
 
     def plain(self, case: Case, ids: list[int]) -> list[int]:
@@ -148,9 +149,6 @@ class Campaign:
 
     def check(self, case: Case) -> dict:
         """{"ok", "tokens", "plain", "why"} for one case."""
-        from bench.decoders import SpecOptions
-        from draftexpert.speculation.round import SpecConfig
-
         spec = SpecOptions(r=case.r, draft_experts=self._draft_file(case),
                            round=SpecConfig(k_max=case.k_max, tau=case.tau, budget=case.budget,
                                             budget_mode=case.budget_mode, truncate=case.truncate,

@@ -40,9 +40,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench.cell import ENGINES, METHODS, PLATFORMS, SPEC_METHODS, Cell, CellError, SpecOptions
+
 GRID_KEYS = {"model", "model_path", "platform", "engine", "method", "expert_type", "device", "dtype", "head_type"}
 SETTINGS = {"r": int, "k_max": int, "tau": float, "budget": int, "truncate": bool, "prefetch": bool}
-SPEC_METHODS = ("top-r", "draftexpert")
 SECTIONS = {"out", "prompts", "decode", "grid", "settings", "ray"}
 
 
@@ -73,6 +74,12 @@ class Task:
     resources: dict = field(default_factory=dict)
     gpus: float = 0
 
+    def cell(self) -> Cell:
+        """The task's cell (checked: a grid that names a bad combination fails before any task runs)."""
+        return Cell(model=self.model, method=self.method, platform=self.platform, engine=self.engine,
+                    expert_type=self.expert_type, max_new_tokens=self.max_new_tokens, device=self.device,
+                    dtype=self.dtype, head_type=self.head_type, spec=SpecOptions().with_(**self.settings))
+
     @property
     def label(self) -> str:
         s = self.settings
@@ -94,7 +101,6 @@ def _list(v) -> list:
 def read_grid(path: Path) -> tuple[list[Task], dict]:
     """(tasks, the file's other options) from a grid file; GridError names what is wrong."""
     from bench import prompts
-    from bench.decoders import ENGINES, METHODS, PLATFORMS
     from draftexpert.runtime.gguf_experts import TYPES
     from draftexpert.runtime.loader import HEAD_TYPES
 
@@ -158,6 +164,11 @@ def read_grid(path: Path) -> tuple[list[Task], dict]:
                                   head_type=grid.get("head_type", "checkpoint") if engine == "torch" else "checkpoint",
                                   resources=ray.get("resources", {}).get(platform, {}),
                                   gpus=float(ray.get("gpus_per_cg_cell", 1)) if platform == "cg" else 0))
+    for task in tasks:
+        try:
+            task.cell()
+        except CellError as e:
+            raise GridError(f"{path}: [grid] {task.model} {task.platform} {task.engine} {task.method}: {e}") from None
     return tasks, {"out": doc.get("out")}
 
 
@@ -174,17 +185,12 @@ def run_task(task: Task, out_dir: Path, log: Callable[[str], None] | None = None
     """One task, here: decoder built, its shard decoded into its folder (resuming), decoder closed."""
     from bench import registry
     from bench.artifacts import expert_file_for
-    from bench.decoders import SpecOptions, make_decoder
+    from bench.decoders import make_decoder
     from bench.runner import run_cells
 
     log = log or (lambda m: print(f"[{task.folder}] {m}", file=sys.stderr, flush=True))
     folder = registry.resolve(task.model, task.model_path)
-    spec = SpecOptions().with_(**task.settings)
-    decoder, tokenizer, cfg = make_decoder(task.model, folder, task.method, task.platform,
-                                           expert_type=task.expert_type, max_new_tokens=task.max_new_tokens,
-                                           expert_file=lambda qt: expert_file_for(task.model, folder, qt, log=log),
-                                           spec=spec, engine=task.engine, device=task.device, dtype=task.dtype,
-                                           head_type=task.head_type)
+    decoder, tokenizer, cfg = make_decoder(task.cell(), folder, lambda qt: expert_file_for(task.model, folder, qt, log=log))
     try:
         summary = run_cells(cfg, task_prompts(task), decoder, tokenizer, out_dir / task.folder, log=log,
                             run_name=str(task.folder))

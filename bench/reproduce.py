@@ -10,6 +10,7 @@ import json
 import sys
 from pathlib import Path
 
+from bench.cell import Cell
 from bench.results import write_json_atomic
 
 # What the paper has that this checkout cannot regenerate on a machine without a GPU, and what brings it.
@@ -46,9 +47,9 @@ def fig1b_runs(results_dir: Path, log, per_suite: int = FIG1B_PER_SUITE, tokens:
     machine = collect(expert_storage(), keep_probe=True)
     cells = set()
     for platform, qtype in FIG1B_CELLS:
-        decoder, tok, cfg = make_decoder(FIG1B_MODEL, folder, "ar", platform, expert_type=qtype,
-                                         max_new_tokens=tokens, device=available_device(platform),
-                                         expert_file=lambda qt: expert_file_for(FIG1B_MODEL, folder, qt, log=log))
+        cell = Cell(model=FIG1B_MODEL, method="ar", platform=platform, expert_type=qtype, max_new_tokens=tokens,
+                    device=available_device(platform))
+        decoder, tok, cfg = make_decoder(cell, folder, lambda qt: expert_file_for(FIG1B_MODEL, folder, qt, log=log))
         name = f"fig1b-{FIG1B_MODEL}-{platform}" + (f"-{qtype}" if platform == "mn" else "")
         cells.add(run_cells(cfg, recs, decoder, tok, runs / name, machine=machine, log=log)["config_hash"])
         decoder.close()
@@ -70,18 +71,16 @@ def _compare_set(results_dir: Path, log, model: str, per_suite: int, tokens: int
     from bench import prompts, registry
     from bench.artifacts import expert_file_for
     from bench.compare import compare
-    from bench.decoders import SpecOptions
-    from draftexpert.speculation.round import SpecConfig
     from bench.telemetry import collect, expert_storage
 
     torch.set_num_threads(FIG1B_THREADS)
     folder = registry.resolve(model)
     tag = "-llama.cpp" if engine == "llama.cpp" else ""
-    res = compare(model, folder, platform, prompts.load(limit=per_suite),
-                  results_dir / "runs" / f"compare-{model}-{platform}{tag}", tokens,
-                  SpecOptions(round=SpecConfig(k_max=4, tau=0.6, budget=24)), "q4_0",
+    res = compare(Cell(model=model, method="draftexpert", platform=platform, engine=engine, expert_type="q4_0",
+                       max_new_tokens=tokens, device=device), folder, prompts.load(limit=per_suite),
+                  results_dir / "runs" / f"compare-{model}-{platform}{tag}",
                   lambda qt: expert_file_for(model, folder, qt, log=log), collect(expert_storage(), keep_probe=True), log=log,
-                  method_set=method_set, engine=engine, device=device)
+                  method_set=method_set)
     for row in res["methods"].values():
         row.pop("tokens")
     return res
@@ -340,10 +339,8 @@ def regime(results_dir: Path, log, per_suite: int = REGIME_PER_SUITE, tokens: in
     from bench import prompts, registry
     from bench.artifacts import expert_file_for
     from bench.compare import REGIME_CAPS, compare
-    from bench.decoders import SpecOptions
     from bench.readcap import ReadCap, ReadCapError
     from bench.telemetry import collect, expert_storage
-    from draftexpert.speculation.round import SpecConfig
     from paper_figs import regime as render
 
     torch.set_num_threads(FIG1B_THREADS)
@@ -360,12 +357,11 @@ def regime(results_dir: Path, log, per_suite: int = REGIME_PER_SUITE, tokens: in
     for engine in ("torch", "llama.cpp"):
         tag = "-llama.cpp" if engine == "llama.cpp" else ""
         recs = prompts.load(limit=per_suite)
-        res = compare(REGIME_MODEL, folder, "mn", recs[:2] if quick else recs,
-                      results_dir / "runs" / f"regime-{REGIME_MODEL}-mn{tag}", tokens,
-                      SpecOptions(round=SpecConfig(k_max=4, tau=0.6, budget=24)), "q4_0",
+        res = compare(Cell(model=REGIME_MODEL, method="draftexpert", platform="mn", engine=engine,
+                           expert_type="q4_0", max_new_tokens=tokens), folder, recs[:2] if quick else recs,
+                      results_dir / "runs" / f"regime-{REGIME_MODEL}-mn{tag}",
                       lambda qt: expert_file_for(REGIME_MODEL, folder, qt, log=log), machine, log=log,
-                      method_set="regime", engine=engine,
-                      caps=caps or ([REGIME_CAPS[0], None] if quick else REGIME_CAPS))
+                      method_set="regime", caps=caps or ([REGIME_CAPS[0], None] if quick else REGIME_CAPS))
         for cell in res["caps"]:
             for row in cell["methods"].values():
                 row.pop("tokens")

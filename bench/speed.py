@@ -96,7 +96,7 @@ def overhead(folder: Path, threads: int, new_tokens: int = 64, repeats: int = 3,
 
 
 # `speed engines`: AR on platform mn over one Q4_0 expert file, each engine beside its resident bound
-ENGINE_CELLS = [  # (label, make_decoder options)
+ENGINE_CELLS = [  # (label, the cell's options)
     ("torch", {"platform": "mn"}),
     ("torch, Q4_0 head", {"platform": "mn", "head_type": "q4_0"}),
     ("llama.cpp", {"platform": "mn", "engine": "llama.cpp"}),
@@ -113,10 +113,10 @@ def engines(model: str, folder: Path, prompts: list[dict], expert_file, max_new_
     """AR decode ms/token of each `ENGINE_CELLS` configuration on the same prompts and Q4_0 expert file,
     in interleaved rounds (this VM's speed drifts within minutes: only same-round ratios are fair),
     each configuration loaded afresh per round and timed over its decode only. Reports the medians,
-    each offloaded cell's ms/token ÷ llama.cpp's (the issue's ≤ 1.5× bar for torch), its AR speed /
-    its resident bound's (the ≥ 0.6× bar), its physical limit (`read_bw`, the storage's measured
+    each offloaded cell's ms/token ÷ llama.cpp's, its AR speed / its resident bound's, its physical limit (`read_bw`, the storage's measured
     bytes/s, ÷ bytes moved per token: tokens/s with free compute), whether its tokens equal its
     resident bound's (staging is exact), and how far torch's tokens follow llama.cpp's."""
+    from bench.cell import Cell  # lazy: as every import of this module's commands (each is optional)
     from bench.decoders import make_decoder
     from bench.prompts import render_prompt
 
@@ -126,8 +126,8 @@ def engines(model: str, folder: Path, prompts: list[dict], expert_file, max_new_
     tokens: dict[str, list[list[int]]] = {}
     for rnd in range(rounds):
         for label, opts in ENGINE_CELLS:
-            dec, tok, _ = make_decoder(model, folder, "ar", expert_type="q4_0", max_new_tokens=max_new_tokens,
-                                       expert_file=expert_file, **opts)
+            cell = Cell(model=model, method="ar", expert_type="q4_0", max_new_tokens=max_new_tokens, **opts)
+            dec, tok, _ = make_decoder(cell, folder, expert_file)
             try:
                 out = [dec.generate(render_prompt(tok, p["prompt"]), max_new_tokens, tok.eos_token_id) for p in prompts]
             finally:

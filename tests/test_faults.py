@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from bench import artifacts
-from bench.decoders import SpecOptions
+from bench.cell import Cell, SpecOptions
 from bench.results import RecordWriter, RunFolderError, RunManifest, check_run_dir, load_results, read_records
 from draftexpert.decoding import ContextOverflow, NonFiniteLogits, sample
 from draftexpert.runtime.gguf_experts import checksum_path, verify_checksums
@@ -61,7 +61,7 @@ def test_other_weights_are_other_cells(tiny_checkpoint, tmp_path, monkeypatch):
     other = _copy_with(tiny_checkpoint, tmp_path / "other", lambda t: t["lm_head.weight"].mul_(1.5))
     out = tmp_path / "run"
     for ckpt, written in [(tiny_checkpoint, 1), (tiny_checkpoint, 0), (other, 1)]:
-        dec, tok, cfg = make_decoder("ds-tiny", ckpt, "ar", "resident", max_new_tokens=4)
+        dec, tok, cfg = make_decoder(Cell(method="ar", platform="resident", max_new_tokens=4), ckpt)
         assert run_cells(cfg, prompts.load("gsm8k", 1), dec, tok, out, log=lambda m: None)["written"] == written
     recs = read_records(out / "records.jsonl")
     assert len({r["weights"] for r in recs}) == 2 and all(len(r["weights"]) == 64 for r in recs)
@@ -137,7 +137,7 @@ def test_prompts_past_the_context_are_skipped_with_their_reason_or_refused(tiny_
     n = s["skipped_context"][0]["prompt_tokens"]
     fits_ar = 2048 - n
     for method, refused in (("ar", False), ("top-r", True)):
-        dec, tok, cfg = make_decoder("ds-tiny", tiny_checkpoint, method, "resident", max_new_tokens=fits_ar)
+        dec, tok, cfg = make_decoder(Cell(method=method, platform="resident", max_new_tokens=fits_ar), tiny_checkpoint)
         recs = prompts.load("gsm8k", 1)
         found = context_overflows(recs, {r["id"]: render_prompt(tok, r["prompt"]) for r in recs}, dec, fits_ar)
         assert bool(found) == refused
@@ -151,7 +151,7 @@ def test_every_decoder_refuses_a_sequence_past_its_context(tiny_checkpoint):
     from bench.decoders import make_decoder
 
     for method in ("ar", "top-r", "draftexpert", "reference"):
-        dec, tok, _ = make_decoder("ds-tiny", tiny_checkpoint, method, "resident")
+        dec, tok, _ = make_decoder(Cell(method=method, platform="resident"), tiny_checkpoint)
         assert dec.context_length == 2048
         with pytest.raises(ContextOverflow):
             dec.generate([1] * 2000, 49, None)
@@ -258,19 +258,19 @@ def test_bad_draft_experts_and_checkpoints_name_the_file(tiny_checkpoint, tmp_pa
     monkeypatch.setenv("DRAFTEXPERT_CACHE", str(tmp_path / "cache"))
     weights = tiny_checkpoint / "model.safetensors"
     with pytest.raises(ValueError, match="not a draft-expert checkpoint.*model weights"):
-        make_decoder("ds-tiny", tiny_checkpoint, "draftexpert", "resident", spec=SpecOptions(draft_experts=weights))
+        make_decoder(Cell(method="draftexpert", platform="resident", spec=SpecOptions(draft_experts=weights)), tiny_checkpoint)
     only_config = tmp_path / "cfg"
     only_config.mkdir()
     shutil.copy(tiny_checkpoint / "config.json", only_config)
     with pytest.raises(RuntimeError, match=f"{only_config}.*tokenizer"):
-        make_decoder("ds-tiny", only_config, "reference", "resident")
+        make_decoder(Cell(method="reference", platform="resident"), only_config)
     truncated = tmp_path / "trunc"
     shutil.copytree(tiny_checkpoint, truncated)
     with open(truncated / "model.safetensors", "r+b") as f:
         f.truncate(f.seek(0, 2) // 2)
     for method in ("reference", "ar"):
         with pytest.raises((ValueError, RuntimeError), match=str(truncated)):
-            make_decoder("ds-tiny", truncated, method, "cg", device="cpu")
+            make_decoder(Cell(method=method, platform="cg", device="cpu"), truncated)
     assert not list((tmp_path / "cache").rglob("*.part"))
 
 
@@ -300,8 +300,8 @@ def test_llama_cpp_refuses_a_sequence_past_its_context(tiny_checkpoint, tmp_path
 
     monkeypatch.setenv("DRAFTEXPERT_CACHE", str(tmp_path / "cache"))
     for method in ("ar", "top-r"):
-        dec, _, _ = make_decoder("ds-tiny", tiny_checkpoint, method, "mn", expert_type="f32", engine="llama.cpp",
-                                 expert_file=lambda qt: artifacts.expert_file_for("ds-tiny", tiny_checkpoint, qt))
+        dec, _, _ = make_decoder(Cell(method=method, platform="mn", expert_type="f32", engine="llama.cpp"), tiny_checkpoint,
+                                 lambda qt: artifacts.expert_file_for("ds-tiny", tiny_checkpoint, qt))
         try:
             assert dec.context_length == 2048
             with pytest.raises(ContextOverflow):

@@ -61,3 +61,28 @@ def test_cli_list_json():
 def test_unknown_suite_is_refused():
     with pytest.raises(KeyError):
         prompts.load("trivia")
+
+
+def test_archives_come_through_pips_configured_index(tmp_path, monkeypatch):
+    """A mirror configured for pip (here PIP_INDEX_URL, a local PEP 503 index) is where an archive
+    is fetched from; nothing names a registry of its own."""
+    import hashlib
+
+    from bench import sources
+
+    payload = b"not really a wheel"
+    (tmp_path / "files").mkdir()
+    (tmp_path / "files" / "demo-1.0-py3-none-any.whl").write_bytes(payload)
+    (tmp_path / "simple" / "demo").mkdir(parents=True)
+    (tmp_path / "simple" / "demo" / "index.html").write_text(
+        '<html><body><a href="../../files/demo-1.0-py3-none-any.whl#sha256=00">demo-1.0-py3-none-any.whl</a></body></html>')
+    monkeypatch.setenv("PIP_INDEX_URL", (tmp_path / "simple").as_uri())
+    monkeypatch.setenv("PIP_EXTRA_INDEX_URL", "")
+    monkeypatch.setenv("PIP_CONFIG_FILE", "/dev/null")
+    monkeypatch.setenv("DRAFTEXPERT_CACHE", str(tmp_path / "cache"))
+    assert sources.pip_indexes()[0] == (tmp_path / "simple").as_uri()
+    pkg = sources.Package("pypi", "demo", "1.0", "demo-1.0-py3-none-any.whl", hashlib.sha256(payload).hexdigest())
+    assert sources.fetch(pkg).read_bytes() == payload
+    missing = sources.Package("pypi", "demo", "2.0", "demo-2.0-py3-none-any.whl", "0" * 64)
+    with pytest.raises(SourceError, match="none of pip's configured indexes"):
+        sources.fetch(missing)

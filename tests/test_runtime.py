@@ -304,13 +304,14 @@ def test_the_host_pool_is_one_exact_buffer_filled_from_the_shards(checkpoint, tm
 def test_bf16_compute_is_the_same_model_on_every_store(tiny_checkpoint):
     """--dtype bf16: the host pool keeps the checkpoint's dtype and converts on the accelerator after the
     copy, so cg's AR is the resident model's AR in bf16, token for token."""
+    from bench.cell import Cell
     from bench.decoders import make_decoder
 
     ids = [1, 5, 9, 13, 17, 21, 25]
     out = {}
     for platform, dtype in (("cg", "bf16"), ("resident", "bf16"), ("resident", "fp32")):
-        dec, _, cfg = make_decoder("ds-tiny", tiny_checkpoint, "ar", platform, device="cpu" if platform == "cg" else None,
-                                   dtype=dtype, max_new_tokens=24)
+        dec, _, cfg = make_decoder(Cell(method="ar", platform=platform, device="cpu" if platform == "cg" else None,
+                                        dtype=dtype, max_new_tokens=24), tiny_checkpoint)
         out[platform, dtype] = dec.generate(ids, 24).tokens
         assert cfg.method_args.get("dtype") == (None if dtype == "fp32" else "bf16")  # fp32 cells keep their keys
         dec.close()

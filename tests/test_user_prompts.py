@@ -73,6 +73,7 @@ def test_a_user_file_runs_in_every_format(tiny_checkpoint, tmp_path):
 
 def test_prompt_suites_travel_as_datasets_and_run_the_same(tiny_checkpoint, tmp_path):
     from bench import prompts
+    from bench.cell import Cell
     from bench.decoders import make_decoder
     from bench.results import read_records
     from bench.runner import run_cells
@@ -80,7 +81,7 @@ def test_prompt_suites_travel_as_datasets_and_run_the_same(tiny_checkpoint, tmp_
     recs = prompts.load("gsm8k", limit=2)
     ds = prompts.as_dataset(recs)
     assert ds.column_names == list(prompts.COLUMNS) and ds[1]["prompt"] == recs[1]["prompt"]
-    dec, tok, cfg = make_decoder("ds-tiny", tiny_checkpoint, "ar", "resident", max_new_tokens=4)
+    dec, tok, cfg = make_decoder(Cell(method="ar", platform="resident", max_new_tokens=4), tiny_checkpoint)
     for name, suite in (("list", recs), ("dataset", ds)):
         run_cells(cfg, suite, dec, tok, tmp_path / name, log=lambda m: None)
     assert ([r["tokens"] for r in read_records(tmp_path / "list" / "records.jsonl")]

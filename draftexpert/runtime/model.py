@@ -350,6 +350,20 @@ class MoEModel:
         self.lm_head = quantize_q4_0(self.lm_head)
         return self
 
+    def widen_shared(self, i: int, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor):
+        """Layer i's shared MLP with extra rows appended (gate, up [I_d, H]; down [H, I_d]), in the
+        layer's own storage: (gate_up [2·(I_s+I_d), H], down [H, I_s+I_d]). A Q4_0 head holds blocks
+        of 32 along rows, so the extra rows are zero-padded to whole blocks (adds 0) and joined as bytes."""
+        L = self.layers[i]
+        dev, dt = L["shared_gate_up"].device, L["shared_gate_up"].dtype
+        if dt == torch.uint8:
+            pad = -down.shape[1] % 32
+            gate, up = (quantize_q4_0(F.pad(t, (0, 0, 0, pad))) for t in (gate, up))
+            down = quantize_q4_0(F.pad(down, (0, pad)))
+        s_gate, s_up = L["shared_gate_up"].chunk(2, dim=0)
+        gate_up = torch.cat([s_gate, gate.to(dev, dt), s_up, up.to(dev, dt)], dim=0)
+        return gate_up, torch.cat([L["shared_down"], down.to(dev, dt)], dim=1)
+
     # -- forward --------------------------------------------------------------------------
 
     @torch.inference_mode()

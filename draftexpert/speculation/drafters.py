@@ -26,9 +26,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
-
-from draftexpert.runtime.ggml_kernel import quantize_q4_0
 
 
 @dataclass
@@ -85,20 +82,11 @@ class DraftExperts:
 def draftexpert(model, experts: DraftExperts) -> DraftPath:
     """shared + top-1 + γ·draft expert (Eq. 5), the draft expert fused into the shared MLP."""
     shared = {}
-    for i, L in enumerate(model.layers):
+    for i in range(len(model.layers)):
         if i not in experts.gate_up:
             continue
-        dev, dt = L["shared_gate_up"].device, L["shared_gate_up"].dtype
         d_gate, d_up = experts.gate_up[i].chunk(2, dim=0)
-        d_down = experts.down[i] * experts.gamma[i]
-        if dt == torch.uint8:  # a Q4_0 head (`--head-type q4_0`): blocks of 32 lie along rows, so the parts
-            pad = -d_down.shape[1] % 32  # join as bytes once the draft is zero-padded to whole blocks (adds 0)
-            d_gate, d_up = (quantize_q4_0(F.pad(t, (0, 0, 0, pad))) for t in (d_gate, d_up))
-            d_down = quantize_q4_0(F.pad(d_down, (0, pad)))
-        s_gate, s_up = L["shared_gate_up"].chunk(2, dim=0)
-        gate_up = torch.cat([s_gate, d_gate.to(dev, dt), s_up, d_up.to(dev, dt)], dim=0)  # [2·(I_s + I_d), H]
-        down = torch.cat([L["shared_down"], d_down.to(dev, dt)], dim=1)  # [H, I_s + I_d]
-        shared[i] = (gate_up, down)
+        shared[i] = model.widen_shared(i, d_gate, d_up, experts.down[i] * experts.gamma[i])  # the model's storage
     missing = [i for i in range(model.cfg.layers) if model.cfg.is_moe(i) and i not in shared]
     if missing:
         raise ValueError(f"draft experts are missing for MoE layers {missing}")

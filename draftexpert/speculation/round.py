@@ -49,28 +49,8 @@ import torch
 
 from draftexpert.decoding import DecodeOutput, Engine, Key, check_context, check_finite, probs, sample
 from draftexpert.metrics import RoundStats
+from draftexpert.speculation.config import SpecConfig
 from draftexpert.speculation.controller import expansion, stop
-
-
-@dataclass(frozen=True)
-class SpecConfig:
-    k_max: int = 4
-    tau: float = 0.6  # confidence threshold τ
-    budget: int = 24  # B: layer-experts a token may add to the verify set when unconfident
-    budget_mode: str = "fixed"  # fixed | cache
-    truncate: bool = True  # False: the fixed-K ablation
-    prefetch: bool = True
-    draft_cache: str = "shared"  # shared | own (the torch engine; llama.cpp's drafter always has its own)
-    temperature: float = 0.0
-    seed: int = 0
-
-    def __post_init__(self):
-        if self.k_max < 1:
-            raise ValueError(f"k_max must be ≥ 1, got {self.k_max}")
-        if self.budget_mode not in ("fixed", "cache"):
-            raise ValueError(f"budget_mode must be 'fixed' or 'cache', got {self.budget_mode!r}")
-        if self.draft_cache not in ("shared", "own"):
-            raise ValueError(f"draft_cache must be 'shared' or 'own', got {self.draft_cache!r}")
 
 
 @dataclass
@@ -125,7 +105,7 @@ class SpeculativeDecoder:
         return self.engine.context_length
 
     def positions(self, prompt_tokens: int, max_new_tokens: int) -> int:
-        return prompt_tokens + max_new_tokens + self.cfg.k_max + 1  # a last round may draft past the end
+        return prompt_tokens + max_new_tokens + self.cfg.positions
 
     # -- phases ---------------------------------------------------------------------------
     def draft(self, committed: list[int], k_limit: int, gen) -> Draft:
