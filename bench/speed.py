@@ -111,7 +111,7 @@ RESIDENT_OF = {"torch": "torch resident", "torch, Q4_0 head": "torch, Q4_0 head,
 def engines(model: str, folder: Path, prompts: list[dict], expert_file, max_new_tokens: int = 64, rounds: int = 3,
             read_bw: float | None = None, log=print) -> dict:
     """AR decode ms/token of each `ENGINE_CELLS` configuration on the same prompts and Q4_0 expert file,
-    in interleaved rounds (this VM's speed drifts within minutes: only same-round ratios are fair),
+    in interleaved rounds (a shared machine's speed drifts within minutes: only same-round ratios are fair),
     each configuration loaded afresh per round and timed over its decode only. Reports the medians,
     each offloaded cell's ms/token ÷ llama.cpp's, its AR speed / its resident bound's, its physical limit (`read_bw`, the storage's measured
     bytes/s, ÷ bytes moved per token: tokens/s with free compute), whether its tokens equal its

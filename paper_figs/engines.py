@@ -1,6 +1,6 @@
 """The engines' AR on platform mn side by side (`bench speed engines`): decode ms/token of the torch
 engine (checkpoint head and `--head-type q4_0`) and llama.cpp over one Q4_0 expert file, each beside
-its resident bound, from interleaved rounds — #13's two baseline bars (torch / llama.cpp ≤ 1.5×,
+its resident bound, from interleaved rounds — the two fair-baseline targets (torch / llama.cpp ≤ 1.5×,
 llama.cpp AR ≥ 0.6× its resident speed) and the paper's own AR / resident on MN (10.18 / 14.36 TPS).
 Pure: formats what the benchmark measured."""
 from __future__ import annotations
@@ -23,7 +23,7 @@ def table(res: dict) -> str:
     bw = f"{res['read_bw'] / 1e9:.2f} GB/s, O_DIRECT" if res["read_bw"] else "not measured"
     return "\n".join(rows) + (
         f"\n\nLimit = the storage's measured read bandwidth ({bw}) ÷ bytes moved per token: tokens/s with free "
-        f"compute. The paper (DS, MN, llama.cpp): AR / resident speed {ar / resident:.2f} ({ar} / {resident} TPS). Bars (#13): "
+        f"compute. The paper (DS, MN, llama.cpp): AR / resident speed {ar / resident:.2f} ({ar} / {resident} TPS). Fair-baseline targets: "
         "torch ≤ 1.5× llama.cpp's AR ms/token; llama.cpp AR ≥ 0.6× its resident speed. The torch engine's tokens "
         f"follow llama.cpp's for {f['checkpoint head']:.1f} tokens on average with the checkpoint's head and "
         f"{f['Q4_0 head']:.1f} with the Q4_0 head (of {res['max_new_tokens']}): llama.cpp's model quantises every "

@@ -284,7 +284,7 @@ def main() -> int:
             rows += cg_rows(a, bench, ckpt, cap, env, log)
         for qtype in (a.types.split(",") if "mn" in platforms else []):
             cells = [(engine, method, []) for engine in ("torch", "llama.cpp") for method in ("ar", "draftexpert")]
-            if qtype == "q4_0":  # the OOM row: every draft position's experts kept (bounded now), and cg
+            if qtype == "q4_0":  # every draft position's experts kept (the round's bound must hold), and cg
                 cells += [("torch", "draftexpert", ["--no-truncate", "--k-max", "4"]),
                           ("torch", "ar", ["--platform", "cg", "--device", "cpu"])]  # must refuse before loading
             for engine, method, extra in cells:

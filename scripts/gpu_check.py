@@ -81,7 +81,7 @@ def speculative(model, method: str, conf: SpecConfig):
 
 def exactness(folder: Path, device: str) -> dict:
     """Each check in its own guard: one that raises is reported (as its error) and the rest still run,
-    so a single pass on a lent GPU says everything it can."""
+    so a single pass on a GPU says everything it can."""
     checks, notes, errors = {}, {}, {}
     f32 = torch.float32
     host = lambda **kw: build_model(folder, "host", device=device, dtype=kw.pop("dtype", f32), **kw)  # noqa: E731

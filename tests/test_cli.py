@@ -131,7 +131,7 @@ def test_speed_flash_measures_a_layers_loads_against_odirect_reads(staging):
 
 
 def test_speed_engines_reports_both_engines_beside_their_resident_bounds():
-    """`bench speed engines` (#13's engine ratio and AR / resident): every configuration decoded,
+    """`bench speed engines` (the engine ratio and AR / resident): every configuration decoded,
     each engine's staged AR equal to its resident bound token for token."""
     pytest.importorskip("llama_cpp")
     p = run_bench("speed", "engines", "--model", "ds-tiny", "--suite", "chat", "--max-new-tokens", "8",

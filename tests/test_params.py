@@ -68,7 +68,7 @@ def test_the_memory_plan_and_the_refusal_before_loading():
     assert bf16["host_pool"] == cg["host_pool"] and bf16["accelerator_weights"] * 2 == cg["accelerator_weights"]
     ar = params.plan(ds, "mn", cuda=False, expert_type="q4_0", positions=1)
     assert abs(ar["storage"] / gib - 7.54) < 0.01  # Fig. 1a's Q4_0 pool
-    assert 9 * gib < ar["host"] < 11 * gib  # the issue measured AR on mn at a 10.1 GiB peak
+    assert 9 * gib < ar["host"] < 11 * gib  # AR on mn measured at a 10.1 GiB peak
     assert params.check_fits(ar, 24 * gib) is None
     spec = params.plan(ds, "mn", cuda=False, expert_type="q4_0", positions=5)  # K_max = 4, no bound on the round yet
     assert "lower --k-max" in params.check_fits(spec, 24 * gib)

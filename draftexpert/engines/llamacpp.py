@@ -300,7 +300,7 @@ class ExpertPages:
         """Drop the file's pages from every mapping of it in this process and from the page cache
         (the whole file: a large folio can straddle the header and the first expert); mark the
         mappings MADV_RANDOM, so a fault reads its own page, not the kernel's read-around window
-        (8 MiB on this VM's disk: one fault would stage a third of the experts). The header is
+        (8 MiB on a virtual disk measured here: one fault would stage a third of the experts). The header is
         read once at load; after that only expert pages are ever touched. The mappings are found
         once (`find_mappings`, at every sequence's start): reading /proc/self/maps at every step
         cost ~1.8 ms here, charged to AR once per token and to speculation once per round."""

@@ -383,7 +383,7 @@ class FlashStore(ExpertStore):
     `staging` "demand" (default): a load is readahead issued for the expert's two ranges when it
     starts (a forward starts all it needs before waiting for any; a prefetch starts when the drafter
     predicts it), and a buffered read that waits for it when the model takes it — the same mechanism
-    as llama.cpp's demand staging, no threads: on this VM's 2 cores six Python reader threads cost
+    as llama.cpp's demand staging, no threads: on 2 cores six Python reader threads cost
     more in handoffs than the reads themselves (`bench speed flash`). "odirect": the reader-thread
     pool with O_DIRECT reads, decoding on the readers (the ablation)."""
 

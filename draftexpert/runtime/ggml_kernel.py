@@ -2,7 +2,7 @@
 quantised to Q8_0 per row, SIMD q4_0 · q8_0 dot products) — instead of dequantising every loaded
 expert to fp32 first and multiplying that.
 
-Why (ds-tiny, one expert of 98,304 weights, this VM, 1 thread): dequantising in place after the read
+Why (ds-tiny, one expert of 98,304 weights, a 2-core x86 CPU, 1 thread): dequantising in place after the read
 costs ~140 µs (ggml's scalar `dequantize_row_q4_0`) and the two fp32 matmuls ~40 µs more, while
 the whole expert MLP on the blocks costs ~12 µs plus ~15 µs of Python/ctypes around it. A
 decoded token runs 30 experts.
