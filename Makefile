@@ -32,6 +32,7 @@ prompt-sources: $(STAMP)
 	-$(BIN)/bench prompts fetch
 
 test: $(STAMP) prompt-sources
+	$(BIN)/ruff check .
 	$(BIN)/python -m pytest
 
 reproduce: $(STAMP)

@@ -13,11 +13,19 @@ Hugging Face cache) under `work/draft_experts/<name>/`.
 from __future__ import annotations
 
 import hashlib
+import os
+import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
 from bench import registry
+from bench.sources import cache_dir
+from draftexpert.engines.llama_gguf import link_experts, split_name, write_head
+from draftexpert.runtime.checkpoint import write_dense_counterpart
+from draftexpert.runtime.gguf_experts import checksum_path, verify_checksums
+from draftexpert.runtime.loader import convert_experts
+from draftexpert.training.distill import load_draft_experts
 
 WORK = registry.REPO_ROOT / "work"
 
@@ -29,8 +37,6 @@ def _stderr(msg: str) -> None:
 def usable(path: Path, log: Callable[[str], None] = _stderr, full: bool = False) -> bool:
     """Whether a cached artifact exists and matches its checksums; a damaged one is removed
     (with its sidecar), so the caller writes it anew."""
-    from draftexpert.runtime.gguf_experts import checksum_path, verify_checksums
-
     if not path.exists():
         return False
     problem = verify_checksums(path, full=full)
@@ -47,11 +53,9 @@ def expert_file_for(model: str, folder: Path, qtype: str, out: Path | None = Non
     """The GGUF expert file of a checkpoint, written once and reused (after its checksums are
     checked; `verify`: every byte read again): its name carries a fingerprint of config.json and
     the shards' names, sizes and mtimes."""
-    from bench.sources import cache_dir
-    from draftexpert.runtime.loader import convert_experts
-
     h = hashlib.sha256((folder / "config.json").read_bytes())
-    h.update(b"expert split v4")  # v2: split 2 of the llama.cpp model (split.no = 1); v3: checksummed; v4: gate_up fused
+    # v2: split 2 of the llama.cpp model (split.no = 1); v3: checksummed; v4: gate_up fused
+    h.update(b"expert split v4")
     for p in sorted(folder.glob("*.safetensors")):
         st = p.stat()
         h.update(f"{p.name}:{st.st_size}:{st.st_mtime_ns}".encode())
@@ -67,12 +71,6 @@ def dense_counterpart_for(model: str, folder: Path, log: Callable[[str], None] =
     """The MoE checkpoint's dense counterpart (`write_dense_counterpart`, Fig. 4's dense half),
     written once under the cache (into a temporary folder, renamed when complete) and reused;
     its name carries a fingerprint of the source's config.json and shards."""
-    import os
-    import shutil
-
-    from bench.sources import cache_dir
-    from draftexpert.runtime.checkpoint import write_dense_counterpart
-
     h = hashlib.sha256((folder / "config.json").read_bytes())
     h.update(b"dense counterpart v1")
     for p in sorted(folder.glob("*.safetensors")):
@@ -92,8 +90,6 @@ def llama_head_for(model: str, folder: Path, qtype: str, expert_file: Path, draf
                    log: Callable[[str], None] = _stderr, verify: bool = False) -> Path:
     """Split 1 of the llama.cpp model (the target's, or a DraftExpert drafter's), written once next
     to the expert file, whose symlink is split 2 (`draftexpert.engines.llama_gguf`)."""
-    from draftexpert.engines.llama_gguf import link_experts, split_name, write_head
-
     prefix = expert_file.with_suffix("") / ("target" if draft is None else f"draftexpert-{draft_id}")
     head = split_name(prefix, 1)
     if not usable(head, log, verify):
@@ -118,8 +114,6 @@ def load_draft_experts_for(model: str, folder: Path, file: Path | str | None):
     """(DraftExperts or None, description): `file` if given ("zero": the zero draft expert), else
     the model's distilled `full` preset when one exists, else None — the zero draft expert
     (shared + top-1)."""
-    from draftexpert.training.distill import load_draft_experts
-
     if file is not None and str(file) == "zero":
         return None, {"preset": "zero", "file": None}
     path = Path(file) if file else find_draft_experts(model, folder, "full")

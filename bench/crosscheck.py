@@ -17,6 +17,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from transformers import AutoTokenizer
+
+from bench.prompts import render_prompt
+from draftexpert.engines.llamacpp import LlamaModel
+from draftexpert.runtime.loader import build_model
+from draftexpert.runtime.model import KVCache, router_scores
 
 
 def _torch_run(model, ids: list[int], n: int, eos: int | None):
@@ -24,8 +30,6 @@ def _torch_run(model, ids: list[int], n: int, eos: int | None):
     logit gap per emitted token). The router gap is the gap between the k-th and (k+1)-th
     selection score of the runtime's own rule (`router_scores`: V2 softmax probability; V3
     sigmoid + correction bias, group-limited), from the model's router-logit tap."""
-    from draftexpert.runtime.model import KVCache, router_scores
-
     cache = KVCache.for_model(model, len(ids) + n + 1)
     biases = {i: L["bias"] for i, L in enumerate(model.layers) if "gate" in L}
     routing, router_gaps, logit_gaps = [], [], []
@@ -71,12 +75,6 @@ def _llama_run(lm, ids: list[int], n: int, eos: int | None):
 
 def crosscheck(folder: Path, prompts: list[dict], head: Path, max_new_tokens: int = 32, threads: int = 1,
                log: Callable[[str], None] = lambda m: print(m, file=sys.stderr)) -> dict:
-    from transformers import AutoTokenizer
-
-    from bench.prompts import render_prompt
-    from draftexpert.engines.llamacpp import LlamaModel
-    from draftexpert.runtime.loader import build_model
-
     tok = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     model = build_model(folder, "resident")
     lm = LlamaModel(head, 2048, threads, kv_type="f32")  # the torch engine's cache is f32

@@ -7,22 +7,34 @@ torch runtime (platforms resident / cg / mn) or llama.cpp (platform mn). The cel
 """
 from __future__ import annotations
 
+import json
 import sys
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
-from bench.artifacts import llama_head_for, load_draft_experts_for
+import torch
+from transformers import AutoTokenizer
+
+from baselines.ar import AROffloadDecoder
+from bench.artifacts import experts_dir, llama_head_for, load_draft_experts_for
 from bench.cell import DTYPES, ENGINES, METHODS, PLATFORMS, Cell, CellError, Resolved, SpecOptions
-from bench.prompts import render_prompt
+from bench.prompts import check_prompt_lengths, render_prompt
+from draftexpert.engines.llamacpp import ExpertPages, LlamaEngine, LlamaModel, require_llama_cpp
+from draftexpert.engines.reference import ReferenceDecoder
+from draftexpert.engines.torch_engine import TorchEngine
+from draftexpert.runtime.checkpoint import load_target, weights_fingerprint
+from draftexpert.runtime.ggml_kernel import resolve_kernel
+from draftexpert.runtime.loader import CheckpointError, build_model, load_config, load_router
+from draftexpert.runtime.params import GIB, available_host_bytes, check_fits, plan, working_set_bound
+from draftexpert.speculation.drafters import DraftExperts, make_draft_path
+from draftexpert.speculation.round import SpeculativeDecoder
 
 __all__ = ["DTYPES", "ENGINES", "METHODS", "PLATFORMS", "Cell", "CellError", "SpecOptions", "make_decoder"]
 
 def available_device(platform: str) -> str | None:
     """For the suite's own sweeps (reproduce, fuzz) that run anywhere: cg on the GPU when there is
     one, else on the CPU as the accelerator; other platforms their default."""
-    import torch
-
     return ("cuda" if torch.cuda.is_available() else "cpu") if platform == "cg" else None
 
 
@@ -31,8 +43,6 @@ def placement(platform: str, method: str, device: str | None = None, dtype: str 
     unless `device="cpu"` asks for the CPU as the accelerator (recorded in the cell); resident runs on
     the CPU unless `device="cuda"` puts every expert on the GPU (cg's upper bound, where it fits); mn
     runs on the CPU here. Router, softmax and the V3 bias stay fp32 in every dtype (`DTYPES`)."""
-    import torch
-
     if dtype not in DTYPES:
         raise ValueError(f"--dtype: {dtype!r} is not one of {', '.join(DTYPES)}")
     if device not in (None, "cpu", "cuda"):
@@ -57,10 +67,6 @@ def placement(platform: str, method: str, device: str | None = None, dtype: str 
 
 
 def _tokenizer(folder: Path):
-    from transformers import AutoTokenizer
-
-    from draftexpert.runtime.loader import CheckpointError
-
     try:
         return AutoTokenizer.from_pretrained(folder, local_files_only=True)
     except Exception as e:  # noqa: BLE001 - transformers raises OSError / ValueError / its own types
@@ -73,8 +79,6 @@ def _draft_experts(model: str, folder: Path, file: Path | None):
     draft expert (= shared+top-1) stands in, unless the user asked for it (`--draft-experts zero`)."""
     draft, meta = load_draft_experts_for(model, folder, file)
     if draft is None and file is None:
-        from bench.artifacts import experts_dir
-
         print(f"warning: {model} has no distilled draft experts ({experts_dir(model, folder) / 'full.safetensors'} is "
               f"absent): DraftExpert runs the zero draft expert = shared+top-1; `bench distill --model {model}` "
               "trains them (a real model through the offload runtime; `bench plan --model {model} --distill` first), "
@@ -88,25 +92,20 @@ def _fits(folder: Path, platform: str, cuda: bool, expert_type: str, positions: 
     its least need does not fit); returns the working-set bound to use: the one asked for, or —
     when a round staging every position would not fit — the bytes that leave room (else 0).
     `draft_intermediate`: DraftExpert's draft-expert width (its drafter's fused shared MLP is counted)."""
-    import json
-
-    from draftexpert.runtime.params import GIB, available_host_bytes, check_fits, plan, working_set_bound
-
     p = plan(json.loads((folder / "config.json").read_text()), platform, cuda, dtype_bytes=dtype_bytes,
              expert_type=expert_type, positions=positions, working_set_bytes=working_set,
              draft_intermediate=draft_intermediate)
     free = None
     if cuda:
-        import torch
-
         free = torch.cuda.mem_get_info()[0]
     host = available_host_bytes()
     warning = check_fits(p, host, free)
     bound = 0 if working_set else working_set_bound(p, host, free)
     if bound:
-        print(f"note: a round that stages new experts at every position could need {p['accelerator' if cuda else 'host'] / GIB:.1f} "
-              f"GiB; its working set is bounded to {bound / GIB:.1f} GiB so that it fits (past it the round reloads on "
-              "demand; --working-set to choose)", file=sys.stderr)
+        print("note: a round that stages new experts at every position could need "
+              f"{p['accelerator' if cuda else 'host'] / GIB:.1f} GiB; its working set is bounded to "
+              f"{bound / GIB:.1f} GiB so that it fits (past it the round reloads on demand; --working-set to "
+              "choose)", file=sys.stderr)
     elif warning:
         print(f"warning: {warning}", file=sys.stderr)
     return working_set or bound
@@ -117,28 +116,18 @@ LLAMA_CONTEXT = 2048  # the llama.cpp engine's context (n_ctx), at most the mode
 
 def context_length(folder: Path, engine: str) -> int:
     """The positions one sequence may occupy on `engine` (what every decoder checks per prompt)."""
-    from draftexpert.runtime.loader import load_config
-
     n = load_config(folder).max_position_embeddings
     return min(LLAMA_CONTEXT, n) if engine == "llama.cpp" else n
 
 
 def check_user_prompts(folder: Path, records: list[dict], engine: str) -> None:
     """A user's prompt file checked against the model before any run folder exists (PromptFileError)."""
-    from bench.prompts import check_prompt_lengths
-
     check_prompt_lengths(records, _tokenizer(folder), context_length(folder, engine))
 
 
 def make_llama_decoder(cell: Cell, folder: Path, expert_file: Callable[[str], Path], threads: int):
     """(decoder, tokenizer, resolved) on the llama.cpp engine (greedy): platform mn stages the
     experts from storage (`cell.staging`: demand | pagefault), platform resident keeps them all cached."""
-    from baselines.ar import AROffloadDecoder
-    from draftexpert.engines.llamacpp import ExpertPages, LlamaEngine, LlamaModel, require_llama_cpp
-    from draftexpert.runtime.loader import load_config, load_router
-    from draftexpert.speculation.drafters import DraftExperts
-    from draftexpert.speculation.round import SpeculativeDecoder
-
     staging = "resident" if cell.platform == "resident" else cell.staging
     require_llama_cpp()
     tokenizer = _tokenizer(folder)
@@ -172,13 +161,7 @@ def make_decoder(cell: Cell, folder: Path, expert_file: Callable[[str], Path] | 
     """(decoder, tokenizer, cell config) for a cell on the checkpoint in `folder`. `expert_file(type)`
     gives the checkpoint's GGUF expert file (written once) where the cell reads one (platform mn, a
     resident cell held from the file, the llama.cpp engine)."""
-    import torch
-
-    from draftexpert.runtime.checkpoint import weights_fingerprint
-
     if cell.method == "top-r":
-        from draftexpert.runtime.loader import load_config
-
         top_k = load_config(folder).num_experts_per_tok
         if not cell.spec.r < top_k:
             raise CellError(f"--r: {cell.spec.r} must be below the target's top-k ({top_k}); r = {top_k} is the "
@@ -192,10 +175,6 @@ def make_decoder(cell: Cell, folder: Path, expert_file: Callable[[str], Path] | 
 
 
 def _make_torch_decoder(cell: Cell, folder: Path, expert_file: Callable[[str], Path] | None):
-    import json
-
-    import torch
-
     device, dtype = placement(cell.platform, cell.method, cell.device, cell.dtype)
     torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
     experts, de_meta = (_draft_experts(cell.model, folder, cell.spec.draft_experts) if cell.method == "draftexpert"
@@ -208,14 +187,7 @@ def _make_torch_decoder(cell: Cell, folder: Path, expert_file: Callable[[str], P
 
     tokenizer = _tokenizer(folder)
     if cell.method == "reference":
-        from draftexpert.engines.reference import ReferenceDecoder
-        from draftexpert.runtime.checkpoint import load_target
-
         return ReferenceDecoder(load_target(folder)[0]), tokenizer, Resolved()
-    from draftexpert.engines.torch_engine import TorchEngine
-    from draftexpert.runtime.ggml_kernel import resolve_kernel
-    from draftexpert.runtime.loader import build_model
-
     kernel = resolve_kernel(cell.expert_kernel, cell.expert_type if cell.from_file else None, device)
     gguf = expert_file(cell.expert_type) if cell.from_file else None
     target = build_model(folder, cell.store, device=device, dtype=torch_dtype, gguf_path=gguf,
@@ -224,13 +196,8 @@ def _make_torch_decoder(cell: Cell, folder: Path, expert_file: Callable[[str], P
     if cell.compile:
         target.compile_decode()
     if cell.method == "ar":
-        from baselines.ar import AROffloadDecoder
-
         decoder = AROffloadDecoder(TorchEngine(target), temperature=cell.temperature, seed=cell.seed)
     else:
-        from draftexpert.speculation.drafters import make_draft_path
-        from draftexpert.speculation.round import SpeculativeDecoder
-
         conf = cell.round_config()
         path = make_draft_path(target, cell.method, r=cell.spec.r, experts=experts)
         decoder = SpeculativeDecoder(TorchEngine(target, path, conf.draft_cache), conf)

@@ -9,21 +9,48 @@ Training state (resumable: the same options resume) lives in `work/distill/<name
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from dataclasses import asdict
 from pathlib import Path
 
-from bench.artifacts import WORK, experts_dir, find_draft_experts
+import matplotlib
+import matplotlib.pyplot as plt
+import torch
+
+from bench import registry
+from bench.artifacts import WORK, expert_file_for, experts_dir, find_draft_experts
+from bench.prompts import render_prompt
+from bench.tiny.evaluate import load_split
+from bench.tiny.tokenizer import token_data_for
+from draftexpert import metrics
+from draftexpert.engines.torch_engine import TorchEngine
+from draftexpert.runtime.checkpoint import load_target, weights_fingerprint
+from draftexpert.runtime.loader import build_model
+from draftexpert.runtime.params import available_host_bytes, check_distill_fits, distill_plan, plan
+from draftexpert.speculation.drafters import DraftExperts, draftexpert
+from draftexpert.speculation.round import SpecConfig, SpeculativeDecoder
+from draftexpert.training.distill import (
+    PRESETS,
+    DraftExpertModule,
+    RuntimeTeacher,
+    TransformersTeacher,
+    eval_windows,
+    evaluate,
+    evaluate_continuations,
+    load_draft_experts,
+    moe_layers,
+    save_draft_experts,
+    train,
+)
+from paper_figs import paper
 
 PRESET_ORDER = ["top1", "residual", "logit-token", "full"]  # Table 5's rows
 EVAL_WINDOWS = 32  # held-out windows of `seq_len` tokens for KL / agreement
 
 
 def token_splits(folder: Path, log):
-    from bench.tiny.evaluate import load_split
-    from bench.tiny.tokenizer import token_data_for
-
     d = token_data_for(folder, WORK / "corpus", WORK / "data", log=log)
     return load_split(d, "train"), load_split(d, "val")
 
@@ -34,8 +61,6 @@ TEACHERS = ("auto", "transformers", "runtime")
 def teacher_kind(model: str, kind: str) -> str:
     """`auto`: the transformers model for the embedded targets (the whole model is a few MB), the
     offload runtime for real ones (a 16B target does not fit whole: 31 GB in bf16)."""
-    from bench import registry
-
     if kind not in TEACHERS:
         raise ValueError(f"--teacher: {kind!r} is not one of {', '.join(TEACHERS)}")
     return kind if kind != "auto" else "transformers" if registry.get(model).embedded else "runtime"
@@ -44,16 +69,12 @@ def teacher_kind(model: str, kind: str) -> str:
 def check_plan(folder: Path, cfg, kind: str, platform: str, expert_type: str, device: str) -> dict:
     """The distillation's memory plan (`draftexpert.runtime.params.distill_plan`) checked against
     this machine before anything loads; raises WontFit with the numbers."""
-    from draftexpert.runtime.params import available_host_bytes, check_distill_fits, distill_plan, plan
-
     config = json.loads((folder / "config.json").read_text())
     cuda = device == "cuda"
     p = plan(config, platform, cuda, 4, expert_type)
     d = distill_plan(config, p, cfg.intermediate, cfg.seq_len, cfg.batch_size, kind)
     gpu = None
     if cuda:
-        import torch
-
         gpu = torch.cuda.mem_get_info()[0]
     check_distill_fits(d, available_host_bytes(), gpu)
     return d
@@ -63,18 +84,11 @@ def make_teacher(model: str, folder: Path, kind: str, platform: str, expert_type
     """The frozen target both training paths run through: the transformers model (fp32, eager
     experts) or the offload runtime over the platform's store (mn: the GGUF expert file of
     `expert_type`, written once; cg: the host pool)."""
-    from draftexpert.training.distill import RuntimeTeacher, TransformersTeacher
-
     if kind == "transformers":
-        from draftexpert.runtime.checkpoint import load_target
-
         hf, _ = load_target(folder)
         hf = hf.float()
         hf.set_experts_implementation("eager")
         return TransformersTeacher(hf)
-    from bench.artifacts import expert_file_for
-    from draftexpert.runtime.loader import build_model
-
     gguf = expert_file_for(model, folder, expert_type, log=log) if platform == "mn" else None
     return RuntimeTeacher(build_model(folder, {"mn": "flash", "cg": "host"}[platform], device=device, gguf_path=gguf))
 
@@ -83,10 +97,6 @@ def state_dir(model: str, folder: Path, cfg, kind: str, platform: str, expert_ty
     """Where a distillation's resumable state lives: keyed by the configuration *and* the target's
     weights, so that a retrained target never resumes (and silently finishes with) the draft experts
     of the target it replaced."""
-    import hashlib
-
-    from draftexpert.runtime.checkpoint import weights_fingerprint
-
     key = hashlib.sha256(json.dumps({**asdict(cfg), "target": weights_fingerprint(folder)},
                                     sort_keys=True).encode()).hexdigest()[:8]
     suffix = "" if kind == "transformers" else f"-{platform}-{expert_type}" if platform == "mn" else f"-{platform}"
@@ -98,8 +108,6 @@ def distill(model: str, folder: Path, cfg, out: Path | None, log, teacher: str =
     """Train, save the paired checkpoint with its history and loss curve. `data`: (train tokens,
     held-out tokens) instead of the corpus's splits in the model's tokenizer; `held_out`: windows
     of the validation split evaluated every `eval_every` steps and at the end."""
-    from draftexpert.training.distill import eval_windows, save_draft_experts, train
-
     kind = teacher_kind(model, teacher)
     if platform not in ("mn", "cg"):
         raise ValueError(f"--platform: {platform!r} is not one of mn, cg (where the runtime teacher's experts live)")
@@ -126,7 +134,8 @@ def distill(model: str, folder: Path, cfg, out: Path | None, log, teacher: str =
     meta = {"preset": cfg.preset, "config": asdict(cfg), "steps": len(steps), "teacher": teacher_desc,
             "tokens": sum(h["tokens"] for h in steps), "train_seconds": sum(h["seconds"] for h in steps),
             "command": f"bench distill --model {model} --preset {cfg.preset}" + (
-                f" --teacher runtime --platform {platform}" + (f" --expert-type {expert_type}" if platform == "mn" else "")
+                f" --teacher runtime --platform {platform}"
+                + (f" --expert-type {expert_type}" if platform == "mn" else "")
                 if kind == "runtime" else "")}
     save_draft_experts(out, draft.export(), folder, meta)
     with open(out.with_suffix(".history.jsonl"), "w") as f:
@@ -139,11 +148,7 @@ def distill(model: str, folder: Path, cfg, out: Path | None, log, teacher: str =
 
 
 def loss_curve(history: list[dict], path: Path, title: str) -> None:
-    import matplotlib
-
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     terms = [k for k in ("loss", "logit", "tok", "res", "router") if k in history[0]]
     fig, ax = plt.subplots(figsize=(6, 3.5))
     for k in terms:
@@ -163,16 +168,6 @@ def distill_eval(model: str, folder: Path, presets: list[str], prompts: list[dic
     """Table 5 per preset: KL, token agreement, router agreement on held-out windows; acceptance
     and prefetch hit rate of DraftExpert at K = 4 (no truncation, prefetch on, cold host store).
     `files`: rows for other checkpoints (row name → file), e.g. an ablation's, after the presets'."""
-    from bench.prompts import render_prompt
-    from draftexpert import metrics
-    from draftexpert.engines.torch_engine import TorchEngine
-    from draftexpert.runtime.checkpoint import load_target
-    from draftexpert.runtime.loader import build_model
-    from draftexpert.speculation.drafters import DraftExperts, draftexpert
-    from draftexpert.speculation.round import SpecConfig, SpeculativeDecoder
-    from draftexpert.training.distill import (DraftExpertModule, TransformersTeacher, eval_windows, evaluate,
-                                              evaluate_continuations, load_draft_experts, moe_layers)
-
     hf, tok = load_target(folder)
     hf = hf.float()
     hf.set_experts_implementation("eager")
@@ -204,10 +199,12 @@ def distill_eval(model: str, folder: Path, presets: list[str], prompts: list[dic
         row["continuations"] = evaluate_continuations(TransformersTeacher(hf), module,
                                                       [(ids, o.tokens) for ids, o in outs])
         row.update(acceptance_k4=spec["acceptance"], prefetch_hit_rate=spec["prefetch_hit_rate"],
-                   steps=meta.get("steps", 0), tokens=meta.get("tokens", 0), train_seconds=meta.get("train_seconds", 0.0))
+                   steps=meta.get("steps", 0), tokens=meta.get("tokens", 0),
+                   train_seconds=meta.get("train_seconds", 0.0))
         rows[preset] = row
         log(f"{preset}: KL {row['kl']:.4f}, token agreement {row['token_agreement']:.3f}, router agreement "
-            f"{row['router_agreement']:.3f}, α(K=4) {row['acceptance_k4']:.3f}, prefetch hit {row['prefetch_hit_rate']:.3f}")
+            f"{row['router_agreement']:.3f}, α(K=4) {row['acceptance_k4']:.3f}, prefetch hit "
+            f"{row['prefetch_hit_rate']:.3f}")
     lean.experts.close()
     return {"model": model, "held_out_windows": len(windows) * 4, "seq_len": seq_len, "prompts": len(prompts),
             "max_new_tokens": max_new_tokens, "presets": rows}
@@ -216,17 +213,15 @@ def distill_eval(model: str, folder: Path, presets: list[str], prompts: list[dic
 def table(result: dict) -> str:
     """Table 5, with the paper's KL / acceptance / router agreement / prefetch hit for the real model
     of the same routing (`paper_figs.paper.TABLE5`) beside each row."""
-    from paper_figs import paper
-
     ref = paper.TABLE5.get(paper.real(result.get("model", "")), {})
-    lines = ["| preset | KL(target‖draft) | token agreement | router agreement | α at K=4 | prefetch hit | steps | tokens "
-             "| train s | paper KL / α / router / hit |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| preset | KL(target‖draft) | token agreement | router agreement | α at K=4 | prefetch hit | steps "
+             "| tokens | train s | paper KL / α / router / hit |", "|---|---|---|---|---|---|---|---|---|---|"]
     for p, r in result["presets"].items():
         q = ref.get(p)
         lines.append(f"| {p} | {r['kl']:.4f} | {r['token_agreement']:.3f} | {r['router_agreement']:.3f} | "
                      f"{r['acceptance_k4']:.3f} | {r['prefetch_hit_rate']:.3f} | {r['steps']} | {r['tokens']:,} | "
-                     f"{r['train_seconds']:.0f} | " + (f"{q[0]:.2f} / {q[1]:.3f} / {q[2]:.2f} / {q[3]:.2f}" if q else "–")
-                     + " |")
+                     f"{r['train_seconds']:.0f} | "
+                     + (f"{q[0]:.2f} / {q[1]:.3f} / {q[2]:.2f} / {q[3]:.2f}" if q else "–") + " |")
     return "\n".join(lines)
 
 
@@ -240,19 +235,24 @@ def margin_table(result: dict) -> str:
     first = next(iter(rows.values()))
     held, cont = first["by_target_margin"], first["continuations"]["by_target_margin"]
     edges = held["edges"]
-    f = lambda x: "–" if x != x else f"{x:.3f}"  # NaN: no position in the bucket
+
+    def f(x: float) -> str:
+        return "–" if x != x else f"{x:.3f}"  # NaN: no position in the bucket
+
     lines = [f"Where the drafts disagree: the target's top-1 margin p(1st) − p(2nd), mean top-1 probability "
-             f"{first['target_top1_prob']:.3f} on held-out text and {first['continuations']['target_top1_prob']:.3f} on "
-             f"its own greedy continuations ({first['continuations']['tokens']} positions); per margin bucket the share "
-             "of positions and each preset's token agreement, held-out / continuations.", "",
+             f"{first['target_top1_prob']:.3f} on held-out text and "
+             f"{first['continuations']['target_top1_prob']:.3f} on its own greedy continuations "
+             f"({first['continuations']['tokens']} positions); per margin bucket the share of positions and each "
+             "preset's token agreement, held-out / continuations.", "",
              "| target margin | share | " + " | ".join(rows) + " |", "|---|---|" + "---|" * len(rows)]
     for b in range(len(edges) - 1):
         lines.append(f"| [{edges[b]:.2f}, {edges[b + 1]:.2f}) | {f(held['share'][b])} / {f(cont['share'][b])} | "
                      + " | ".join(f"{f(r['by_target_margin']['token_agreement'][b])} / "
                                   f"{f(r['continuations']['by_target_margin']['token_agreement'][b])}"
                                   for r in rows.values()) + " |")
-    lines.append("| all | 1 / 1 | " + " | ".join(f"{r['token_agreement']:.3f} / {r['continuations']['token_agreement']:.3f}"
-                                                for r in rows.values()) + " |")
+    lines.append("| all | 1 / 1 | "
+                 + " | ".join(f"{r['token_agreement']:.3f} / {r['continuations']['token_agreement']:.3f}"
+                              for r in rows.values()) + " |")
     return "\n".join(lines)
 
 
@@ -263,17 +263,13 @@ def report(result: dict) -> str:
 
 def write_card(model: str, folder: Path, result: dict) -> Path:
     """models/<m>/draft_experts/README.md: what was trained, how, and Table 5 on held-out data."""
-    from draftexpert.training.distill import load_draft_experts
-
     d = experts_dir(model, folder)
     lines = [f"# Draft experts for `{model}`", "",
              "One resident draft expert per MoE layer (an MLP of the routed experts' form, scaled by a learned γ_l), "
              "self-distilled from the frozen target so that shared + top-1 + draft expert agrees with the full MoE "
-             "(Eq. 5–11; `draftexpert/training/distill.py`). Each checkpoint is paired with the target's weights (sha256 in its "
-             "metadata) and refused by any other target.", "",
+             "(Eq. 5–11; `draftexpert/training/distill.py`). Each checkpoint is paired with the target's weights "
+             "(sha256 in its metadata) and refused by any other target.", "",
              "| preset | loss terms | steps | tokens | train wall s | file |", "|---|---|---|---|---|---|"]
-    from draftexpert.training.distill import PRESETS
-
     for preset in PRESET_ORDER[1:]:
         p = d / f"{preset}.safetensors"
         if not p.exists():
@@ -290,10 +286,10 @@ def write_card(model: str, folder: Path, result: dict) -> Path:
               f"Reproduce: `bench distill --model {model} --preset <preset> --steps {cfg['steps']} --threads "
               f"{cfg['threads']}`.", "",
               "## Table 5 (`bench distill-eval --model " + model + " --card`)", "",
-              f"Held-out: {result['held_out_windows']} validation windows of {result['seq_len']} tokens; α and prefetch "
-              f"hit rate from DraftExpert at K = 4 (greedy, no truncation, prefetch on) on {result['prompts']} prompts "
-              f"of five suites, {result['max_new_tokens']} new tokens. `top1` is the untrained (zero) draft expert, "
-              "i.e. shared + top-1.", "", report(result), ""]
+              f"Held-out: {result['held_out_windows']} validation windows of {result['seq_len']} tokens; α and "
+              f"prefetch hit rate from DraftExpert at K = 4 (greedy, no truncation, prefetch on) on "
+              f"{result['prompts']} prompts of five suites, {result['max_new_tokens']} new tokens. `top1` is the "
+              "untrained (zero) draft expert, i.e. shared + top-1.", "", report(result), ""]
     for preset in PRESET_ORDER[1:]:
         if (d / f"{preset}.loss.png").exists():
             lines += [f"![{preset} loss]({preset}.loss.png)", ""]

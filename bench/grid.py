@@ -40,7 +40,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench import prompts, registry
+from bench.artifacts import expert_file_for
 from bench.cell import ENGINES, METHODS, PLATFORMS, SPEC_METHODS, Cell, CellError, SpecOptions
+from bench.decoders import make_decoder
+from bench.progress import Progress
+from bench.results import read_records
+from bench.runner import run_cells
+from draftexpert import metrics
+from draftexpert.runtime.gguf_experts import TYPES
+from draftexpert.runtime.loader import HEAD_TYPES
 
 GRID_KEYS = {"model", "model_path", "platform", "engine", "method", "expert_type", "device", "dtype", "head_type"}
 SETTINGS = {"r": int, "k_max": int, "tau": float, "budget": int, "truncate": bool, "prefetch": bool}
@@ -100,10 +109,6 @@ def _list(v) -> list:
 
 def read_grid(path: Path) -> tuple[list[Task], dict]:
     """(tasks, the file's other options) from a grid file; GridError names what is wrong."""
-    from bench import prompts
-    from draftexpert.runtime.gguf_experts import TYPES
-    from draftexpert.runtime.loader import HEAD_TYPES
-
     path = Path(path)
     try:
         doc = tomllib.loads(path.read_text(encoding="utf-8"))
@@ -174,8 +179,6 @@ def read_grid(path: Path) -> tuple[list[Task], dict]:
 
 def task_prompts(task: Task) -> list[dict]:
     """The task's shard of the grid's prompts (every shards-th, from its index)."""
-    from bench import prompts
-
     recs = (prompts.read_prompt_file(Path(task.prompts_file), task.limit) if task.prompts_file
             else [p for s in task.suites for p in prompts.load(s, task.limit)])
     return recs[task.shard::task.shards]
@@ -183,14 +186,10 @@ def task_prompts(task: Task) -> list[dict]:
 
 def run_task(task: Task, out_dir: Path, log: Callable[[str], None] | None = None) -> dict:
     """One task, here: decoder built, its shard decoded into its folder (resuming), decoder closed."""
-    from bench import registry
-    from bench.artifacts import expert_file_for
-    from bench.decoders import make_decoder
-    from bench.runner import run_cells
-
     log = log or (lambda m: print(f"[{task.folder}] {m}", file=sys.stderr, flush=True))
     folder = registry.resolve(task.model, task.model_path)
-    decoder, tokenizer, cfg = make_decoder(task.cell(), folder, lambda qt: expert_file_for(task.model, folder, qt, log=log))
+    decoder, tokenizer, cfg = make_decoder(task.cell(), folder,
+                                           lambda qt: expert_file_for(task.model, folder, qt, log=log))
     try:
         summary = run_cells(cfg, task_prompts(task), decoder, tokenizer, out_dir / task.folder, log=log,
                             run_name=str(task.folder))
@@ -203,8 +202,6 @@ def run_sweep(tasks: list[Task], out_dir: Path, ray_address: str | None = None, 
               max_retries: int = 3, log: Callable[[str], None] = lambda m: print(m, file=sys.stderr)) -> list[dict]:
     """Every task, in-process (in order) or as Ray tasks (`ray_address`: None starts or joins a local
     runtime as `ray.init` does); returns one summary per task, in the tasks' order."""
-    from bench.progress import Progress
-
     out_dir = Path(out_dir)
     if not use_ray:
         progress = Progress(len(tasks), "sweep", log)
@@ -216,7 +213,7 @@ def run_sweep(tasks: list[Task], out_dir: Path, ray_address: str | None = None, 
         finally:
             progress.close()
         return done
-    import ray
+    import ray  # noqa: PLC0415  (the optional extra `ray`: only --ray needs it)
 
     if not ray.is_initialized():
         ray.init(address=ray_address, log_to_driver=True)
@@ -240,15 +237,11 @@ def run_sweep(tasks: list[Task], out_dir: Path, ray_address: str | None = None, 
 
 def collect(out_dir: Path) -> list[dict]:
     """Every record under a sweep's folder (all tasks)."""
-    from bench.results import read_records
-
     return [r for f in sorted(Path(out_dir).rglob("records.jsonl")) for r in read_records(f)]
 
 
 def cells_table(records: list[dict]) -> list[dict]:
     """One row per cell (configuration), its shards' records summed: prompts, decode TPS, α."""
-    from draftexpert import metrics
-
     by_cell: dict[str, list[dict]] = {}
     for r in records:
         by_cell.setdefault(r["config_hash"], []).append(r)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 
+from tqdm import tqdm
+
 
 class Progress:
     def __init__(self, total: int, desc: str, log: Callable[[str], None], stream=None):
@@ -12,8 +14,6 @@ class Progress:
         self.log, self.tokens, self.seconds = log, 0, 0.0
         self.bar = None
         if stream.isatty():
-            from tqdm import tqdm
-
             self.bar = tqdm(total=total, desc=desc, file=stream, unit="prompt", dynamic_ncols=True)
 
     def note(self, line: str) -> None:

@@ -195,7 +195,7 @@ HUB_FORMAT: dict[str, Callable[[dict], str]] = {
 def hub_loader(category: str, limit: int | None = None) -> list[dict]:
     """Online alternative: the same suite from the Hugging Face hub with `datasets` (needs
     network), formatted as the committed files are, first `limit` rows."""
-    import datasets
+    import datasets  # noqa: PLC0415  (~0.5 s: `bench prompts` and `bench data corpus` need none of it)
 
     name, config, split = SUITES[category].hub
     ds = datasets.load_dataset(name, config, split=split)
@@ -217,7 +217,7 @@ COLUMNS = ("id", "category", "source", "source_id", "prompt")
 def as_dataset(records: list[dict]):
     """Prompt records as a `datasets.Dataset` (columns COLUMNS), e.g. `as_dataset(load("gsm8k"))`;
     the runner takes either form."""
-    import datasets
+    import datasets  # noqa: PLC0415  (~0.5 s: `bench prompts` and `bench data corpus` need none of it)
 
     return datasets.Dataset.from_list([{c: r.get(c) for c in COLUMNS} for r in records])
 
@@ -248,7 +248,8 @@ def read_prompt_file(path: Path, limit: int | None = None) -> list[dict]:
     for n, row in rows:
         at = f"{path}:{n}" if where == "line" else f"{path}: row {n}"
         if not isinstance(row, dict):
-            raise PromptFileError(f"{at}: expected an object with \"category\" and \"prompt\", got {type(row).__name__}")
+            raise PromptFileError(f"{at}: expected an object with \"category\" and \"prompt\", got "
+                                  f"{type(row).__name__}")
         for name in ("category", "prompt"):
             if name not in row:
                 raise PromptFileError(f"{at}: missing field {name!r}")
@@ -284,13 +285,14 @@ def _prompt_lines(path: Path) -> Iterator[tuple[int, object]]:
 
 
 def _prompt_table(path: Path, kind: str) -> Iterator[tuple[int, dict]]:
-    import datasets
+    import datasets  # noqa: PLC0415  (~0.5 s: `bench prompts` and `bench data corpus` need none of it)
 
     datasets.disable_progress_bars()
     try:
         table = (datasets.Dataset.from_csv if kind == "csv" else datasets.Dataset.from_parquet)(str(path))
     except Exception as e:  # noqa: BLE001 - pyarrow / pandas raise many types for a malformed table
-        raise PromptFileError(f"--prompts {path}: not a readable {kind.upper()} table ({type(e).__name__}: {e})") from None
+        raise PromptFileError(f"--prompts {path}: not a readable {kind.upper()} table "
+                              f"({type(e).__name__}: {e})") from None
     for n, row in enumerate(table, 1):
         yield n, row
 

@@ -120,7 +120,8 @@ def fetch_hint(spec: ModelSpec) -> str:
     if spec.embedded:
         return (f"the embedded weights are committed in models/{spec.name}; restore them with "
                 f"`git checkout -- models/{spec.name}` or retrain with `bench model train --model {spec.name}`")
-    dest = f"${ENV_VAR}/{spec.hf_repo.split('/')[-1]}" if os.environ.get(ENV_VAR) else f"~/models/{spec.hf_repo.split('/')[-1]}"
+    name = spec.hf_repo.split("/")[-1]
+    dest = f"${ENV_VAR}/{name}" if os.environ.get(ENV_VAR) else f"~/models/{name}"
     return (f"on a machine with network: `hf download {spec.hf_repo} --local-dir {dest}` "
             f"(about 32 GB), then pass `--model-path {dest}` or set {ENV_VAR} to its parent folder")
 
@@ -212,7 +213,8 @@ def config_facts(name: str, model_path: str | os.PathLike | None = None) -> dict
         if model_path:
             raise
         if spec.embedded:
-            from bench.tiny.configs import TINY_CONFIGS, V3_KEYS_TO_KEEP
+            # torch + transformers (~1.8 s): bench/cli.py imports this module, `bench --help` must start fast
+            from bench.tiny.configs import TINY_CONFIGS, V3_KEYS_TO_KEEP  # noqa: PLC0415
 
             cfg = TINY_CONFIGS[name]().to_dict()
             if cfg.get("model_type") == "deepseek_v3":

@@ -10,8 +10,35 @@ import json
 import sys
 from pathlib import Path
 
+import torch
+from transformers import AutoTokenizer
+
+import bench.crosscheck
+import paper_figs.engines
+import paper_figs.fig2
+import paper_figs.fig3
+import paper_figs.fig45
+import paper_figs.regime
+import paper_figs.spec_table
+import paper_figs.table1
+from bench import distill as bd
+from bench import prompts, registry, speed
+from bench.artifacts import dense_counterpart_for, expert_file_for, llama_head_for
 from bench.cell import Cell
-from bench.results import write_json_atomic
+from bench.compare import REGIME_CAPS, compare, measured_read_bw
+from bench.decoders import available_device, make_decoder
+from bench.prompts import render_prompt
+from bench.readcap import ReadCap, ReadCapError
+from bench.results import load_results, write_json_atomic
+from bench.runner import run_cells
+from bench.sweep import verify_sweep
+from bench.telemetry import collect, expert_storage, machine_id
+from draftexpert import metrics
+from draftexpert.engines.llamacpp import LlamaCppError, require_llama_cpp
+from draftexpert.runtime.checkpoint import weights_fingerprint
+from draftexpert.runtime.loader import build_model
+from draftexpert.runtime.params import breakdown
+from paper_figs import fig1a, fig1b
 
 # What the paper has that this checkout cannot regenerate on a machine without a GPU, and what brings it.
 PENDING_WITHOUT_GPU = [
@@ -24,22 +51,13 @@ TINY_MODELS = ("ds-tiny", "ml-tiny")  # every per-model step runs on these (`ben
 FIG1B_MODEL = "ds-tiny"
 FIG1B_PER_SUITE = 2
 FIG1B_TOKENS = 64
-FIG1B_CELLS = [("mn", "q4_0"), ("mn", "bf16"), ("cg", "q4_0")]  # cg ignores the expert type (host pool in the checkpoint's dtype)
+# cg ignores the expert type (host pool in the checkpoint's dtype)
+FIG1B_CELLS = [("mn", "q4_0"), ("mn", "bf16"), ("cg", "q4_0")]
 FIG1B_THREADS = 1  # timings on one thread: comparable across machines with more cores, and with a busy neighbour
 
 
 def fig1b_runs(results_dir: Path, log, per_suite: int = FIG1B_PER_SUITE, tokens: int = FIG1B_TOKENS) -> list[str]:
     """AR-offload runs for Fig. 1b (resumable: finished prompts are skipped), then the figure."""
-    from bench import prompts, registry
-    from bench.results import load_results
-    from bench.artifacts import expert_file_for
-    from bench.decoders import available_device, make_decoder
-    from bench.runner import run_cells
-    from bench.telemetry import collect, expert_storage
-    from paper_figs import fig1b
-
-    import torch
-
     torch.set_num_threads(FIG1B_THREADS)
     folder = registry.resolve(FIG1B_MODEL)
     recs = prompts.load(limit=per_suite)
@@ -53,12 +71,13 @@ def fig1b_runs(results_dir: Path, log, per_suite: int = FIG1B_PER_SUITE, tokens:
         name = f"fig1b-{FIG1B_MODEL}-{platform}" + (f"-{qtype}" if platform == "mn" else "")
         cells.add(run_cells(cfg, recs, decoder, tok, runs / name, machine=machine, log=log)["config_hash"])
         decoder.close()
-    b = fig1b.breakdown(load_results(*[runs / d for d in sorted(p.name for p in runs.iterdir() if p.name.startswith("fig1b-"))]),
-                        config_hashes=cells)
+    fig1b_dirs = sorted(p.name for p in runs.iterdir() if p.name.startswith("fig1b-"))
+    b = fig1b.breakdown(load_results(*[runs / d for d in fig1b_dirs]), config_hashes=cells)
     (results_dir / "fig1b_breakdown.md").write_text(fig1b.table(b))
     figs = fig1b.figure(b, results_dir / "figures" / "fig1b_breakdown",
                         f"results/runs/fig1b-{FIG1B_MODEL}-*, machine {machine['machine_id']}")
-    return ["results/runs/fig1b-*", "results/fig1b_breakdown.md", *[str(p.relative_to(results_dir.parent)) for p in figs]]
+    return ["results/runs/fig1b-*", "results/fig1b_breakdown.md",
+            *[str(p.relative_to(results_dir.parent)) for p in figs]]
 
 
 def _compare_set(results_dir: Path, log, model: str, per_suite: int, tokens: int, method_set: str,
@@ -66,21 +85,14 @@ def _compare_set(results_dir: Path, log, model: str, per_suite: int, tokens: int
     """One `bench compare` set for a tiny model on mn (Q4_0, K_max = 4, τ = 0.6, B = 24; resumable),
     its per-prompt tokens dropped from the result; `platform` cg moves the checkpoint's experts from
     host memory to `device` instead (the same round settings)."""
-    import torch
-
-    from bench import prompts, registry
-    from bench.artifacts import expert_file_for
-    from bench.compare import compare
-    from bench.telemetry import collect, expert_storage
-
     torch.set_num_threads(FIG1B_THREADS)
     folder = registry.resolve(model)
     tag = "-llama.cpp" if engine == "llama.cpp" else ""
     res = compare(Cell(model=model, method="draftexpert", platform=platform, engine=engine, expert_type="q4_0",
                        max_new_tokens=tokens, device=device), folder, prompts.load(limit=per_suite),
                   results_dir / "runs" / f"compare-{model}-{platform}{tag}",
-                  lambda qt: expert_file_for(model, folder, qt, log=log), collect(expert_storage(), keep_probe=True), log=log,
-                  method_set=method_set)
+                  lambda qt: expert_file_for(model, folder, qt, log=log), collect(expert_storage(), keep_probe=True),
+                  log=log, method_set=method_set)
     for row in res["methods"].values():
         row.pop("tokens")
     return res
@@ -94,8 +106,6 @@ def spec_compare(results_dir: Path, log, per_suite: int = FIG1B_PER_SUITE, token
     experts in host memory, copied to `device` on demand (fp32 compute), beside every expert resident on
     the same device — `make reproduce` runs it on a GPU; `device` cpu (the CPU as the accelerator) is
     what the tests run."""
-    from paper_figs.spec_table import table
-
     written = []
     engine_tag = "_llama.cpp" if engine == "llama.cpp" else ""
     tag = engine_tag + ("_cpu" if platform == "cg" and device == "cpu" else "")
@@ -111,7 +121,8 @@ def spec_compare(results_dir: Path, log, per_suite: int = FIG1B_PER_SUITE, token
             bound, limit = f" on the same {device or 'cuda'}", f"the measured copy-in rate ({bw:.1f} GB/s)"
         else:
             where = ("(Q4_0 experts from flash with O_DIRECT, whole experts on demand, cold)" if engine == "torch" else
-                     f"through llama.cpp (Q4_0 GGUF, experts staged from storage: {res['methods']['ar']['method_args']['staging']})")
+                     "through llama.cpp (Q4_0 GGUF, experts staged from storage: "
+                     f"{res['methods']['ar']['method_args']['staging']})")
             bound, limit = "", f"the storage's measured read bandwidth ({bw:.2f} GB/s, O_DIRECT)"
         name = f"spec_compare_{model}_{platform}{tag}"
         write_json_atomic(results_dir / f"{name}.json", res)
@@ -119,7 +130,8 @@ def spec_compare(results_dir: Path, log, per_suite: int = FIG1B_PER_SUITE, token
             f"{model} on {platform} {where}, {per_suite} prompts per suite, "
             f"{tokens} new tokens, greedy, K_max = 4, τ = 0.6, B = 24, {FIG1B_THREADS} thread; DraftExpert's draft "
             f"experts: {de}. `ar-resident`: AR with every expert resident{bound} (the upper bound); limit TPS = "
-            f"{limit} ÷ bytes moved per token. Tokens equal AR: {res['tokens_equal_ar']}.\n\n" + table(res) + "\n")
+            f"{limit} ÷ bytes moved per token. Tokens equal AR: {res['tokens_equal_ar']}.\n\n"
+            + paper_figs.spec_table.table(res) + "\n")
         written += [f"results/runs/compare-{model}-{platform}{engine_tag.replace('_', '-')}/*", f"results/{name}.md",
                     f"results/{name}.json"]
     return written
@@ -133,32 +145,30 @@ def _machine_id(results_dir: Path) -> str:
 
 def fig2(results_dir: Path, log, models: tuple[str, ...] = TINY_MODELS) -> list[str]:
     """Fig. 2 from the torch-engine comparisons `spec_compare` wrote (results/spec_compare_*_mn.json)."""
-    from paper_figs import fig2 as render
-
     per_model, runs = {}, []
     for model in models:
         path = results_dir / f"spec_compare_{model}_mn.json"
         res = json.loads(path.read_text())
-        per_model[model] = render.points(res)
+        per_model[model] = paper_figs.fig2.points(res)
         runs.append(f"results/runs/compare-{model}-mn")
     machine = _machine_id(results_dir)
     (results_dir / "fig2_tradeoff.md").write_text(
         "Fig. 2 from Table 2/3's runs on mn (torch engine, Q4_0, cold, K = 4, fixed-K top-r without prefetch; "
         f"DraftExpert with truncation and prefetch), {', '.join(runs)}; the paper's values beside ours.\n\n"
-        + "\n".join(f"### {m}\n\n" + render.table(p) for m, p in per_model.items()))
-    figs = render.figure(per_model, results_dir / "figures" / "fig2_tradeoff", f"{', '.join(runs)}; machine {machine}")
+        + "\n".join(f"### {m}\n\n" + paper_figs.fig2.table(p) for m, p in per_model.items()))
+    figs = paper_figs.fig2.figure(per_model, results_dir / "figures" / "fig2_tradeoff",
+                                  f"{', '.join(runs)}; machine {machine}")
     log("Fig. 2 written")
     return ["results/fig2_tradeoff.md", *[str(p.relative_to(results_dir.parent)) for p in figs]]
 
 
 def table1(results_dir: Path, log) -> list[str]:
     """Table 1 from the machine records of every run under results/runs, the paper's two platforms beside."""
-    from paper_figs import table1 as render
-
     manifests = [json.loads(p.read_text()) for p in sorted((results_dir / "runs").rglob("manifest.json"))]
     (results_dir / "table1_platforms.md").write_text(
         f"Table 1 from the machine records of {len(manifests)} runs under results/runs (one column per platform "
-        "measured), the paper's two platforms beside them.\n\n" + render.table(render.columns(manifests)))
+        "measured), the paper's two platforms beside them.\n\n"
+        + paper_figs.table1.table(paper_figs.table1.columns(manifests)))
     log("Table 1 written")
     return ["results/table1_platforms.md"]
 
@@ -166,18 +176,12 @@ def table1(results_dir: Path, log) -> list[str]:
 def crosscheck(results_dir: Path, log, per_suite: int | None = None, tokens: int = 32,
                models: tuple[str, ...] = TINY_MODELS) -> list[str]:
     """llama.cpp (f32) vs the torch engine on every prompt of the suites: tokens and expert sets."""
-    import torch
-
-    from bench import prompts, registry
-    from bench.crosscheck import crosscheck as run
-    from bench.artifacts import expert_file_for, llama_head_for
-
     torch.set_num_threads(FIG1B_THREADS)
     written = []
     for model in models:
         folder = registry.resolve(model)
         head = llama_head_for(model, folder, "f32", expert_file_for(model, folder, "f32", log=log), log=log)
-        res = run(folder, prompts.load(limit=per_suite), head, tokens, FIG1B_THREADS, log=log)
+        res = bench.crosscheck.crosscheck(folder, prompts.load(limit=per_suite), head, tokens, FIG1B_THREADS, log=log)
         res.update(model=model, type="f32", max_new_tokens=tokens)
         write_json_atomic(results_dir / f"crosscheck_{model}.json", res)
         written.append(f"results/crosscheck_{model}.json")
@@ -187,8 +191,6 @@ def crosscheck(results_dir: Path, log, per_suite: int | None = None, tokens: int
 def table4(results_dir: Path, log, per_suite: int = FIG1B_PER_SUITE, tokens: int = FIG1B_TOKENS,
            engine: str = "torch", models: tuple[str, ...] = TINY_MODELS) -> list[str]:
     """Table 4 on mn: DraftExpert with fixed K, confidence–expansion truncation, and + prefetch."""
-    from paper_figs.spec_table import table4 as render
-
     written = []
     tag = "_llama.cpp" if engine == "llama.cpp" else ""
     where = "through llama.cpp (Q4_0 GGUF, whole experts staged on demand from the router tap)" \
@@ -200,7 +202,7 @@ def table4(results_dir: Path, log, per_suite: int = FIG1B_PER_SUITE, tokens: int
             f"{model} on mn {where}, {per_suite} prompts per suite, {tokens} new tokens, "
             f"greedy, K_max = 4, τ = 0.6, B = 24, distilled draft experts, {FIG1B_THREADS} thread. Verify cost = wall "
             f"seconds per verify forward / per AR forward. Tokens equal AR: {res['tokens_equal_ar']}.\n\n"
-            + render(res) + "\n")
+            + paper_figs.spec_table.table4(res) + "\n")
         written += [f"results/table4_{model}_mn{tag}.md", f"results/table4_{model}_mn{tag}.json"]
     return written
 
@@ -212,15 +214,6 @@ def engines(results_dir: Path, log, tokens: int = FIG1B_TOKENS, models: tuple[st
             rounds: int = ENGINES_ROUNDS) -> list[str]:
     """`bench speed engines`: both engines' AR beside their resident bounds, interleaved rounds (one
     prompt per suite). Kept when already measured on this machine for these weights."""
-    from bench import prompts, registry, speed
-    from bench.artifacts import expert_file_for
-    from bench.compare import measured_read_bw
-    from bench.telemetry import machine_id
-    from draftexpert.runtime.checkpoint import weights_fingerprint
-    from paper_figs.engines import table
-
-    import torch
-
     torch.set_num_threads(FIG1B_THREADS)
     machine = results_dir / "machine.json"  # written first by reproduce: the storage's O_DIRECT bandwidth
     read_bw = measured_read_bw(json.loads(machine.read_text()) if machine.exists() else None)
@@ -234,14 +227,15 @@ def engines(results_dir: Path, log, tokens: int = FIG1B_TOKENS, models: tuple[st
             log(f"{path.name}: measured already on this machine, kept")
             res = old
         else:
-            res = speed.engines(model, folder, prompts.load(limit=1), lambda qt: expert_file_for(model, folder, qt, log=log),
-                                tokens, rounds, read_bw=read_bw, log=log)
+            res = speed.engines(model, folder, prompts.load(limit=1),
+                                lambda qt: expert_file_for(model, folder, qt, log=log), tokens, rounds,
+                                read_bw=read_bw, log=log)
             write_json_atomic(path, res)
         (results_dir / f"engines_{model}_mn.md").write_text(
-            f"{model} on mn, Q4_0 experts from one file, {res['prompts']} prompts (one per suite) × {tokens} new tokens, "
-            f"greedy, {FIG1B_THREADS} thread, {res['rounds']} interleaved rounds, each configuration loaded afresh per "
-            f"round; machine {res['machine_id']}; `bench speed engines --model {model} --max-new-tokens {tokens} "
-            f"--rounds {res['rounds']}`.\n\n" + table(res) + "\n")
+            f"{model} on mn, Q4_0 experts from one file, {res['prompts']} prompts (one per suite) × {tokens} new "
+            f"tokens, greedy, {FIG1B_THREADS} thread, {res['rounds']} interleaved rounds, each configuration "
+            f"loaded afresh per round; machine {res['machine_id']}; `bench speed engines --model {model} "
+            f"--max-new-tokens {tokens} --rounds {res['rounds']}`.\n\n" + paper_figs.engines.table(res) + "\n")
         written += [f"results/engines_{model}_mn.md", f"results/engines_{model}_mn.json"]
     return written
 
@@ -249,9 +243,6 @@ def engines(results_dir: Path, log, tokens: int = FIG1B_TOKENS, models: tuple[st
 def fig3(results_dir: Path, log, per_suite: int = FIG1B_PER_SUITE, tokens: int = FIG1B_TOKENS,
          models: tuple[str, ...] = TINY_MODELS) -> list[str]:
     """Fig. 3 on mn: each drafter's cumulative unique layer-experts vs draft length (K = 8, fixed)."""
-    from bench import registry
-    from paper_figs import fig3 as render
-
     written = []
     for model in models:
         res = _compare_set(results_dir, log, model, per_suite, tokens, "fig3")  # the set fixes K = 8
@@ -260,12 +251,12 @@ def fig3(results_dir: Path, log, per_suite: int = FIG1B_PER_SUITE, tokens: int =
         (results_dir / f"fig3_{model}_mn.md").write_text(
             f"{model}: drafter's cumulative unique routed layer-experts vs draft length j (K = 8 fixed, greedy, "
             f"{per_suite} prompts per suite, {tokens} new tokens; tokens equal AR: "
-            f"{all(res['tokens_equal_ar'].values())}).\n\n" + render.table(curves))
+            f"{all(res['tokens_equal_ar'].values())}).\n\n" + paper_figs.fig3.table(curves))
         cfg = json.loads((registry.resolve(model) / "config.json").read_text())
         moe = cfg["num_hidden_layers"] - cfg["first_k_dense_replace"]
-        figs = render.figure(curves, results_dir / "figures" / f"fig3_{model}",
+        figs = paper_figs.fig3.figure(curves, results_dir / "figures" / f"fig3_{model}",
                              f"{model}: draft-side unique experts vs length (measured)",
-                             paper_at_k4=render.paper_points(model, moe),
+                             paper_at_k4=paper_figs.fig3.paper_points(model, moe),
                              source=f"results/runs/compare-{model}-mn, machine {_machine_id(results_dir)}")
         written += [f"results/fig3_{model}_mn.md", *[str(p.relative_to(results_dir.parent)) for p in figs]]
     return written
@@ -280,18 +271,6 @@ def fig45(results_dir: Path, log, per_suite: int = FIG1B_PER_SUITE, quick: bool 
     """Figs. 4–5 on mn (Q4_0, cold, torch engine): verify cost and unique experts vs block length,
     and Fig. 4's dense half: each model's dense counterpart swept over the same blocks. `quick`
     (a reproduce run below the default prompt count): blocks at the first start only."""
-    import torch
-
-    from bench import prompts, registry
-    from bench.artifacts import dense_counterpart_for, expert_file_for
-    from bench.prompts import render_prompt
-    from bench.sweep import verify_sweep
-    from bench.telemetry import collect, expert_storage
-    from draftexpert.runtime.loader import build_model
-    from draftexpert import metrics
-    from paper_figs import fig45 as render
-    from transformers import AutoTokenizer
-
     torch.set_num_threads(FIG1B_THREADS)
     machine = collect(expert_storage(), keep_probe=True)
     per_model = {}
@@ -304,7 +283,8 @@ def fig45(results_dir: Path, log, per_suite: int = FIG1B_PER_SUITE, quick: bool 
         rows, continuations = verify_sweep(target, ids, SWEEP_LENGTHS, starts, log=log)
         target.experts.close()
         dense_folder = dense_counterpart_for(model, folder, log=log)
-        dense = build_model(dense_folder, "flash", gguf_path=expert_file_for(f"{model}-dense", dense_folder, "q4_0", log=log))
+        dense = build_model(dense_folder, "flash",
+                            gguf_path=expert_file_for(f"{model}-dense", dense_folder, "q4_0", log=log))
         log(f"{model}'s dense counterpart over the same blocks")
         dense_rows, _ = verify_sweep(dense, ids, SWEEP_LENGTHS, starts, log=log, continuations=continuations)
         dense.experts.close()
@@ -312,13 +292,14 @@ def fig45(results_dir: Path, log, per_suite: int = FIG1B_PER_SUITE, quick: bool 
         per_model[model] = c | {"dense_cost": d["cost"]}
         write_json_atomic(results_dir / f"fig45_{model}_mn.json", {
             "model": model, "machine": machine["machine_id"], "rows": rows, "curves": c,
-            "dense": {"what": render.DENSE_LABEL, "rows": dense_rows, "curves": d}})
+            "dense": {"what": paper_figs.fig45.DENSE_LABEL, "rows": dense_rows, "curves": d}})
         (results_dir / f"fig45_{model}_mn.md").write_text(
-            f"{model} on mn (Q4_0 experts from flash, cold store before each forward, torch engine), {len(ids)} prompts, "
-            f"blocks of the target's own greedy continuation at starts {starts}, {FIG1B_THREADS} thread, "
-            f"machine {machine['machine_id']}. Dense: {render.DENSE_LABEL}, swept over the same blocks, its cost "
-            f"normalised to its own one-token step. Paper: {render.paper_note(model)}\n\n" + render.table(per_model[model]))
-    figs = render.figure(per_model, results_dir / "figures" / "fig45_verify_block",
+            f"{model} on mn (Q4_0 experts from flash, cold store before each forward, torch engine), {len(ids)} "
+            f"prompts, blocks of the target's own greedy continuation at starts {starts}, {FIG1B_THREADS} thread, "
+            f"machine {machine['machine_id']}. Dense: {paper_figs.fig45.DENSE_LABEL}, swept over the same blocks, "
+            f"its cost normalised to its own one-token step. Paper: {paper_figs.fig45.paper_note(model)}\n\n"
+            + paper_figs.fig45.table(per_model[model]))
+    figs = paper_figs.fig45.figure(per_model, results_dir / "figures" / "fig45_verify_block",
                          f"results/fig45_{{{','.join(models)}}}_mn.json, machine {machine['machine_id']}")
     return [*(f"results/fig45_{m}_mn.{ext}" for m in per_model for ext in ("md", "json")),
             *[str(p.relative_to(results_dir.parent)) for p in figs]]
@@ -334,15 +315,6 @@ def regime(results_dir: Path, log, per_suite: int = REGIME_PER_SUITE, tokens: in
     figure. Skipped, with the reason, where the cap cannot be applied. `quick` (a reproduce run
     below the default prompt count) sweeps only the extremes, the lowest cap and uncapped, on the
     first two prompts."""
-    import torch
-
-    from bench import prompts, registry
-    from bench.artifacts import expert_file_for
-    from bench.compare import REGIME_CAPS, compare
-    from bench.readcap import ReadCap, ReadCapError
-    from bench.telemetry import collect, expert_storage
-    from paper_figs import regime as render
-
     torch.set_num_threads(FIG1B_THREADS)
     folder = registry.resolve(REGIME_MODEL)
     experts = expert_file_for(REGIME_MODEL, folder, "q4_0", log=log)
@@ -372,9 +344,9 @@ def regime(results_dir: Path, log, per_suite: int = REGIME_PER_SUITE, tokens: in
             f"{per_suite} prompt(s) per suite, {tokens} new tokens, greedy, Q4_0, K_max = 4, τ = 0.6, "
             f"B = 24, {FIG1B_THREADS} thread, machine {machine['machine_id']}; `bench compare --set regime --model "
             f"{REGIME_MODEL} --engine {engine} --limit {per_suite} --max-new-tokens {tokens} --threads "
-            f"{FIG1B_THREADS}`.\n\n" + render.table(res))
+            f"{FIG1B_THREADS}`.\n\n" + paper_figs.regime.table(res))
         written += [f"results/runs/regime-{REGIME_MODEL}-mn{tag}/*", f"results/{stem}.md", f"results/{stem}.json"]
-    figs = render.figure(results, results_dir / "figures" / f"regime_{REGIME_MODEL}",
+    figs = paper_figs.regime.figure(results, results_dir / "figures" / f"regime_{REGIME_MODEL}",
                          f"results/runs/regime-{REGIME_MODEL}-mn{{,-llama.cpp}}, machine {machine['machine_id']}")
     return written + [str(p.relative_to(results_dir.parent)) for p in figs]
 
@@ -383,11 +355,6 @@ def table5(results_dir: Path, log, per_suite: int, tokens: int, quick: bool = Fa
            models: tuple[str, ...] = TINY_MODELS) -> list[str]:
     """Table 5 from the committed draft-expert checkpoints of each tiny model (`bench distill-eval`);
     `bench distill --model <m> --preset <p>` retrains any of them."""
-    import torch
-
-    from bench import distill as bd
-    from bench import prompts, registry
-
     torch.set_num_threads(FIG1B_THREADS)
     written = []
     recs = [p for s in ("chat", "gsm8k", "mbpp", "summarization", "ifeval") for p in prompts.load(s, per_suite)]
@@ -415,11 +382,6 @@ def reproduce(results_dir: Path, log=lambda m: print(m, file=sys.stderr), per_su
               tokens: int = FIG1B_TOKENS, models: tuple[str, ...] = TINY_MODELS) -> dict:
     """Every step; `per_suite` prompts per suite and `tokens` new tokens for the decoding runs;
     the per-model steps on `models` (the regime sweep and Fig. 1b always on ds-tiny)."""
-    from bench import registry
-    from bench.telemetry import collect, expert_storage
-    from draftexpert.runtime.params import breakdown
-    from paper_figs import fig1a
-
     done = []
     results_dir.mkdir(parents=True, exist_ok=True)
     log("Table 1 (this machine): bench env")
@@ -445,8 +407,6 @@ def reproduce(results_dir: Path, log=lambda m: print(m, file=sys.stderr), per_su
         log("Tables 2/3 (mn rows): AR vs shared+top-r vs DraftExpert, " + ", ".join(models))
         done += spec_compare(results_dir, log, per_suite, tokens, models=models)
         done += fig2(results_dir, log, models=models)
-        from draftexpert.engines.llamacpp import LlamaCppError, require_llama_cpp
-
         try:
             require_llama_cpp()
         except LlamaCppError as e:
@@ -476,8 +436,6 @@ def reproduce(results_dir: Path, log=lambda m: print(m, file=sys.stderr), per_su
         done += table1(results_dir, log)
     else:
         log(f"Fig. 1b skipped: {FIG1B_MODEL} is not present")
-    import torch
-
     pending = PENDING_WITHOUT_GPU
     if torch.cuda.is_available() and registry.is_present(FIG1B_MODEL):
         log("Table 2 (cg rows) on the GPU: AR vs shared+top-r vs DraftExpert, " + ", ".join(models))

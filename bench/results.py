@@ -39,6 +39,7 @@ Methods may add fields; the loader keeps every field.
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -48,6 +49,7 @@ import sys
 import time
 from pathlib import Path
 
+import pandas as pd
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -152,8 +154,6 @@ class RecordWriter:
     still runs, two shells) never interleave: the second waits, then sees the first one's records."""
 
     def __init__(self, run_dir: Path, fsync: bool = True, warn=_warn):
-        import fcntl
-
         self.run_dir = check_run_dir(run_dir)
         self.path = self.run_dir / "records.jsonl"
         self._fd = -1
@@ -188,7 +188,8 @@ class RecordWriter:
             except OSError:
                 pass  # the next writer repairs the torn tail
             raise RunFolderError(f"writing {self.path} failed: {e.strerror or e}; the records before this one "
-                                 "are kept — free space (or fix the folder) and rerun the same command to resume") from None
+                                 "are kept — free space (or fix the folder) and rerun the same command to "
+                                 "resume") from None
         self.done.add(record["key"])
 
     def close(self):
@@ -263,8 +264,6 @@ def _now() -> str:
 def load_results(*paths: Path | str) -> "pandas.DataFrame":  # noqa: F821
     """All records under the given run folders or records.jsonl files (recursively), one row
     per record, with the run's folder in `run_dir`. The single loader `paper_figs` uses."""
-    import pandas as pd
-
     rows = []
     for p in map(Path, paths):
         files = [p] if p.is_file() else sorted(p.rglob("records.jsonl"))

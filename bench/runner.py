@@ -19,8 +19,10 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from bench.progress import Progress
 from bench.prompts import render_prompt
 from bench.results import RecordWriter, RunFolderError, RunManifest, cell_key, config_hash
+from bench.telemetry import machine_id
 from draftexpert import metrics
 from draftexpert.decoding import ContextOverflow, Decoder, check_context
 
@@ -43,7 +45,8 @@ class CellConfig:
 OVERFLOW = ("skip", "refuse")
 
 
-def context_overflows(prompts: list[dict], ids: dict[str, list[int]], decoder: Decoder, max_new_tokens: int) -> list[dict]:
+def context_overflows(prompts: list[dict], ids: dict[str, list[int]], decoder: Decoder,
+                      max_new_tokens: int) -> list[dict]:
     """The prompts (rendered: `ids` by prompt id) that do not fit the decoder's context, each with its reason."""
     out = []
     for p in prompts:
@@ -61,9 +64,6 @@ def run_cells(cfg: CellConfig, prompts: list[dict], decoder: Decoder, tokenizer,
               render: Callable[[str], list[int]] | None = None) -> dict:
     """Decode every prompt not yet in `run_dir`; return a summary of this session. `prompts`: a
     list of records or a `datasets.Dataset`; `render`: text → ids (default the chat template)."""
-    from bench.progress import Progress
-    from bench.telemetry import machine_id
-
     if on_overflow not in OVERFLOW:
         raise ValueError(f"--context-overflow: {on_overflow!r} is not one of {', '.join(OVERFLOW)}")
     render = render or (lambda text: render_prompt(tokenizer, text))

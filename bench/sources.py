@@ -13,8 +13,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import re
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -23,7 +23,6 @@ import urllib.request
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-
 
 
 class SourceError(RuntimeError):
@@ -74,7 +73,9 @@ def pip_indexes() -> list[str]:
             conf[name] = value.strip().strip("'\"")
     index = conf.get("index-url")
     if not index:
-        from pip._internal.models.index import PyPI  # pip's default index, where nothing else is configured
+        # pip's default index, where nothing else is configured; pip is the environment's installer, not a
+        # dependency of the suite (an environment made without pip has none)
+        from pip._internal.models.index import PyPI  # noqa: PLC0415
 
         index = PyPI.simple_url
     return [index.rstrip("/"), *(u.rstrip("/") for u in conf.get("extra-index-url", "").split())]

@@ -19,12 +19,27 @@
 from __future__ import annotations
 
 import random
+import resource
 import statistics
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
+from transformers import AutoModelForCausalLM
+
+from baselines.ar import AROffloadDecoder
+from bench.cell import Cell
+from bench.decoders import make_decoder
+from bench.prompts import render_prompt
+from bench.telemetry import machine_id, odirect_read_bandwidth
+from draftexpert.engines.llamacpp import LlamaModel
+from draftexpert.engines.torch_engine import TorchEngine
+from draftexpert.runtime.checkpoint import weights_fingerprint
+from draftexpert.runtime.experts import FlashStore
+from draftexpert.runtime.gguf_experts import ExpertFile, write_expert_gguf
+from draftexpert.runtime.loader import build_model
 
 
 def _stats(xs: list[float]) -> dict:
@@ -43,12 +58,6 @@ def _llama_generate(lm, ids: list[int], n: int) -> tuple[list[int], float]:
 
 def overhead(folder: Path, threads: int, new_tokens: int = 64, repeats: int = 3, prompt_len: int = 16, log=print,
              compile: bool = False, llama_head: Path | None = None) -> dict:
-    from transformers import AutoModelForCausalLM
-
-    from baselines.ar import AROffloadDecoder
-    from draftexpert.engines.torch_engine import TorchEngine
-    from draftexpert.runtime.loader import build_model
-
     torch.set_num_threads(threads)
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, local_files_only=True).eval()
     lean = build_model(folder, "resident")
@@ -59,8 +68,6 @@ def overhead(folder: Path, threads: int, new_tokens: int = 64, repeats: int = 3,
     dec = AROffloadDecoder(TorchEngine(lean))
     lm = None
     if llama_head is not None:
-        from draftexpert.engines.llamacpp import LlamaModel
-
         lm = LlamaModel(llama_head, 512, threads, kv_type="f32")
     hf_ms, lean_ms, llama_ms, same, same_llama = [], [], [], True, True
     for rep in range(repeats + 1):  # the first round warms both up and is not counted
@@ -113,13 +120,9 @@ def engines(model: str, folder: Path, prompts: list[dict], expert_file, max_new_
     """AR decode ms/token of each `ENGINE_CELLS` configuration on the same prompts and Q4_0 expert file,
     in interleaved rounds (a shared machine's speed drifts within minutes: only same-round ratios are fair),
     each configuration loaded afresh per round and timed over its decode only. Reports the medians,
-    each offloaded cell's ms/token ÷ llama.cpp's, its AR speed / its resident bound's, its physical limit (`read_bw`, the storage's measured
-    bytes/s, ÷ bytes moved per token: tokens/s with free compute), whether its tokens equal its
-    resident bound's (staging is exact), and how far torch's tokens follow llama.cpp's."""
-    from bench.cell import Cell  # lazy: as every import of this module's commands (each is optional)
-    from bench.decoders import make_decoder
-    from bench.prompts import render_prompt
-
+    each offloaded cell's ms/token ÷ llama.cpp's, its AR speed / its resident bound's, its physical limit
+    (`read_bw`, the storage's measured bytes/s, ÷ bytes moved per token: tokens/s with free compute), whether
+    its tokens equal its resident bound's (staging is exact), and how far torch's tokens follow llama.cpp's."""
     ms: dict[str, list[float]] = {label: [] for label, _ in ENGINE_CELLS}
     stall: dict[str, list[float]] = {label: [] for label, _ in ENGINE_CELLS}
     moved: dict[str, float] = {}  # bytes moved per decoded token (the same every round)
@@ -146,9 +149,6 @@ def engines(model: str, folder: Path, prompts: list[dict], expert_file, max_new_
         return statistics.mean(next((i for i, (x, y) in enumerate(zip(s, t)) if x != y), min(len(s), len(t)))
                                for s, t in pairs)
 
-    from bench.telemetry import machine_id
-    from draftexpert.runtime.checkpoint import weights_fingerprint
-
     return {
         "model": model, "expert_type": "q4_0", "prompts": len(prompts), "max_new_tokens": max_new_tokens,
         "rounds": rounds, "threads": torch.get_num_threads(), "machine_id": machine_id(),
@@ -172,8 +172,6 @@ def host(folder: Path, repeats: int = 20, layer: int | None = None, log=print) -
     accelerator on the copy stream; on a CPU-only machine the CPU is the accelerator and the copy a
     memcpy) against one copy of the same number of bytes from a pinned buffer, the accelerator's
     measured copy bandwidth: efficiency = (bytes / load seconds) / copy GB/s."""
-    from draftexpert.runtime.loader import build_model
-
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     model = build_model(folder, "host", device=str(device))
@@ -211,10 +209,6 @@ def flash(folder: Path, gguf: Path, repeats: int = 20, layer: int | None = None,
           log=print) -> dict:
     """One layer's top-6 experts through the flash store (`staging`, cold: the file's pages dropped
     after every load) against six O_DIRECT reads of the same bytes in flight together."""
-    from bench.telemetry import odirect_read_bandwidth
-    from draftexpert.runtime.experts import FlashStore
-    from draftexpert.runtime.gguf_experts import ExpertFile
-
     store = FlashStore(gguf, staging=staging)
     f = ExpertFile(Path(gguf), staging_buffers=6)  # the raw reads' reference, O_DIRECT
     layer = layer if layer is not None else f.layers[len(f.layers) // 2]
@@ -238,7 +232,8 @@ def flash(folder: Path, gguf: Path, repeats: int = 20, layer: int | None = None,
     pool.shutdown()
     qtype = f.qtype
     block = max(4096, f.slices[(layer, "down")].nbytes // 4096 * 4096)
-    ref = odirect_read_bandwidth(Path(gguf).parent, block_size=block, file_size=max(total, block), passes=max(5, repeats // 2))
+    ref = odirect_read_bandwidth(Path(gguf).parent, block_size=block, file_size=max(total, block),
+                                 passes=max(5, repeats // 2))
     store.close()
     f.close()
     med_read, med_load = statistics.median(read_s), statistics.median(load_s)
@@ -256,24 +251,19 @@ def flash(folder: Path, gguf: Path, repeats: int = 20, layer: int | None = None,
 def convert_memory(cfg: dict, n_layers: int, qtype: str, folder: Path, log=print) -> dict:
     """Write `n_layers` random MoE layers of `cfg`'s expert shapes with `write_expert_gguf` into
     `folder`; report the file's size, the seconds and the peak RSS (ru_maxrss) of this process."""
-    import resource
-    import tempfile
-
-    from draftexpert.runtime.gguf_experts import write_expert_gguf
-
-    E, H, I = cfg["n_routed_experts"], cfg["hidden_size"], cfg["moe_intermediate_size"]
-    meta = {"n_layer": n_layers + 1, "first_dense": 1, "n_expert": E, "n_embd": H, "n_ff_exp": I}
+    E, H, inter = cfg["n_routed_experts"], cfg["hidden_size"], cfg["moe_intermediate_size"]
+    meta = {"n_layer": n_layers + 1, "first_dense": 1, "n_expert": E, "n_embd": H, "n_ff_exp": inter}
 
     def layers():
         for layer in range(1, n_layers + 1):
             g = torch.Generator().manual_seed(layer)
             log(f"layer {layer}/{n_layers}")
-            yield layer, torch.randn(E, 2 * I, H, generator=g), torch.randn(E, H, I, generator=g)
+            yield layer, torch.randn(E, 2 * inter, H, generator=g), torch.randn(E, H, inter, generator=g)
 
     with tempfile.TemporaryDirectory(dir=folder) as tmp:
         t0 = time.perf_counter()
         path = write_expert_gguf(Path(tmp) / "experts.gguf", layers(), meta, qtype)
         seconds, size = time.perf_counter() - t0, path.stat().st_size
     return {"layers": n_layers, "type": qtype, "file_bytes": size, "seconds": seconds,
-            "layer_fp32_bytes": E * 3 * H * I * 4,
+            "layer_fp32_bytes": E * 3 * H * inter * 4,
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}

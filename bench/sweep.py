@@ -21,11 +21,11 @@ from collections.abc import Callable
 
 import torch
 
+from draftexpert.runtime.model import KVCache
+
 
 def continuation(model, ids: list[int], context: int):
     """(cache holding the prompt, the model's greedy continuation of `context` tokens)."""
-    from draftexpert.runtime.model import KVCache
-
     cache = KVCache.for_model(model, len(ids) + context + 1)
     cont = [int(model.forward(torch.tensor(ids), cache, phase="prefill")[-1].argmax())]
     while len(cont) < context:
@@ -38,8 +38,6 @@ def verify_sweep(model, prompts: list[list[int]], lengths: list[int], starts: li
                  continuations: list[list[int]] | None = None) -> tuple[list[dict], list[list[int]]]:
     """(rows, the continuations swept): the model's own greedy ones, or `continuations` (another
     model's, e.g. the MoE target's for its dense counterpart)."""
-    from draftexpert.runtime.model import KVCache
-
     store, ledger = model.experts, model.experts.ledger
     context = max(starts) + max(lengths)
     rows, swept = [], []

@@ -7,11 +7,18 @@ the accelerator that platform cg's experts cross (pinned host → GPU; on the CP
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import mmap
 import os
 import platform
 import time
 from pathlib import Path
+
+import torch
+
+from bench.sources import cache_dir
+from draftexpert.engines.llamacpp import build_info
 
 
 def _read(path: str) -> str:
@@ -107,7 +114,8 @@ def odirect_read_bandwidth(folder: Path, block_size: int = 1 << 20, file_size: i
                 os.close(fd)
         times.sort()
         return {"path": str(folder), "block_bytes": block_size, "file_bytes": file_size, "passes": passes,
-                "gb_per_s_best": file_size / times[0] / 1e9, "gb_per_s_median": file_size / times[len(times) // 2] / 1e9}
+                "gb_per_s_best": file_size / times[0] / 1e9,
+                "gb_per_s_median": file_size / times[len(times) // 2] / 1e9}
     except OSError as e:
         return {"path": str(folder), "block_bytes": block_size, "error": f"{type(e).__name__}: {e}"}
     finally:
@@ -117,7 +125,7 @@ def odirect_read_bandwidth(folder: Path, block_size: int = 1 << 20, file_size: i
 
 def gpus() -> list[dict] | dict:
     try:
-        import pynvml  # from nvidia-ml-py (optional extra `gpu`)
+        import pynvml  # noqa: PLC0415  (from nvidia-ml-py, the optional extra `gpu`)
     except ImportError:
         return {"note": "nvidia-ml-py not installed (pip install -e '.[gpu]')"}
     try:
@@ -154,11 +162,6 @@ def copy_in_bandwidth(nbytes: int = 128 << 20, passes: int = 5) -> dict:
     """Bytes/s of one copy of `nbytes` into the accelerator, as the host store copies an expert (median of
     `passes`): `cpu` a memcpy between host buffers (the CPU as the accelerator), `cuda` from page-locked
     host memory to the GPU when there is one — cg's physical limit is this rate over the bytes a token moves."""
-    try:
-        import torch
-    except ImportError:
-        return {"note": "torch not installed"}
-
     def median_rate(dst, src, sync) -> float:
         times = []
         for _ in range(passes + 1):  # the first: allocator and page faults
@@ -185,17 +188,10 @@ def versions() -> dict:
             out[mod] = __import__(mod).__version__
         except Exception:  # noqa: BLE001 - absent or broken optional module
             out[mod] = None
-    try:
-        import torch
-
-        out["torch_cuda"] = torch.version.cuda
-        out["cuda_available"] = torch.cuda.is_available()
-        out["torch_threads"] = torch.get_num_threads()
-    except ImportError:
-        pass
+    out["torch_cuda"] = torch.version.cuda
+    out["cuda_available"] = torch.cuda.is_available()
+    out["torch_threads"] = torch.get_num_threads()
     if out["llama_cpp"]:  # the build flags exactness depends on (README: the llama.cpp engine)
-        from draftexpert.engines.llamacpp import build_info
-
         out["llama_cpp_build"] = build_info()
     return out
 
@@ -204,9 +200,6 @@ def machine_id(t: dict | None = None) -> str:
     """12 hex digits identifying the machine a measurement was made on (host name, CPU model,
     cores, RAM, GPUs): part of every result cell's key, so results from another machine are
     measured anew rather than skipped as done."""
-    import hashlib
-    import json
-
     t = t or {"hostname": platform.node(), "cpu": cpu(), "memory": memory(), "gpus": gpus()}
     gpu = [g["name"] for g in t["gpus"]] if isinstance(t["gpus"], list) else []
     ident = [t["hostname"], t["cpu"]["model"], t["cpu"]["logical_cores"], round(t["memory"]["total_gib"]), gpu]
@@ -215,8 +208,6 @@ def machine_id(t: dict | None = None) -> str:
 
 def expert_storage() -> Path:
     """Where the expert files are read from (their cache folder): the storage a run measures."""
-    from bench.sources import cache_dir
-
     return cache_dir() / "gguf"
 
 

@@ -100,7 +100,8 @@ def counters(record: dict) -> dict:
     out = {k: record[k] for k in SCALARS if _present(record.get(k))}
     out.update({k: record[k] for k in LISTS if isinstance(record.get(k), list)})
     ledger = record.get("ledger")
-    out.update(ledger_counters(ledger if isinstance(ledger, dict) else None))  # movement always from the ledger the record carries
+    # movement always from the ledger the record carries
+    out.update(ledger_counters(ledger if isinstance(ledger, dict) else None))
     return out
 
 

@@ -23,8 +23,8 @@ def table(res: dict) -> str:
     bw = f"{res['read_bw'] / 1e9:.2f} GB/s, O_DIRECT" if res["read_bw"] else "not measured"
     return "\n".join(rows) + (
         f"\n\nLimit = the storage's measured read bandwidth ({bw}) ÷ bytes moved per token: tokens/s with free "
-        f"compute. The paper (DS, MN, llama.cpp): AR / resident speed {ar / resident:.2f} ({ar} / {resident} TPS). Fair-baseline targets: "
-        "torch ≤ 1.5× llama.cpp's AR ms/token; llama.cpp AR ≥ 0.6× its resident speed. The torch engine's tokens "
-        f"follow llama.cpp's for {f['checkpoint head']:.1f} tokens on average with the checkpoint's head and "
-        f"{f['Q4_0 head']:.1f} with the Q4_0 head (of {res['max_new_tokens']}): llama.cpp's model quantises every "
-        "matrix, the Q4_0 head all but attention's.")
+        f"compute. The paper (DS, MN, llama.cpp): AR / resident speed {ar / resident:.2f} ({ar} / {resident} TPS). "
+        "Fair-baseline targets: torch ≤ 1.5× llama.cpp's AR ms/token; llama.cpp AR ≥ 0.6× its resident speed. The "
+        f"torch engine's tokens follow llama.cpp's for {f['checkpoint head']:.1f} tokens on average with the "
+        f"checkpoint's head and {f['Q4_0 head']:.1f} with the Q4_0 head (of {res['max_new_tokens']}): llama.cpp's "
+        "model quantises every matrix, the Q4_0 head all but attention's.")

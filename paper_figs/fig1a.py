@@ -30,7 +30,8 @@ def _size(gib: float) -> str:
 
 def table(df: pd.DataFrame) -> str:
     """Markdown: params (B), routed share, GiB at bf16 and Q4_0."""
-    lines = ["| model | total params | routed params | routed share | routed bf16 | non-routed bf16 | routed Q4_0 | non-routed Q4_0 |",
+    lines = ["| model | total params | routed params | routed share | routed bf16 | non-routed bf16 | routed Q4_0 "
+             "| non-routed Q4_0 |",
              "|---|---|---|---|---|---|---|---|"]
     for m, r in df.iterrows():
         lines.append(f"| {m} | {_count(r.total)} | {_count(r.routed_experts)} | {100 * r.routed_share:.1f}% | "

@@ -26,8 +26,8 @@ COLUMNS = ("model", "platform", "expert_type", "device", "prompts", "loading_ms_
 def paper_share(platform: str) -> str:
     """What the paper says of AR's loading share on a platform (Fig. 1b has no values)."""
     dominant = f"> {paper.FIG1B_DOMINANT_SHARE:.0%} (Fig. 1b: loading dominates)"
-    return dominant + (f"; {paper.MN_DS_OFFLOAD_SHARE:.0%} implied by AR {paper.TABLE2[('ds', 'mn')]['ar']} vs resident "
-                       f"{paper.RESIDENT_MN_DS_TPS} TPS" if platform == "mn" else "")
+    return dominant + (f"; {paper.MN_DS_OFFLOAD_SHARE:.0%} implied by AR {paper.TABLE2[('ds', 'mn')]['ar']} vs "
+                       f"resident {paper.RESIDENT_MN_DS_TPS} TPS" if platform == "mn" else "")
 
 
 def breakdown(records: pd.DataFrame, config_hashes: set[str] | None = None) -> pd.DataFrame:
@@ -53,12 +53,14 @@ def breakdown(records: pd.DataFrame, config_hashes: set[str] | None = None) -> p
 
 def table(b: pd.DataFrame) -> str:
     require(b, COLUMNS, "Fig. 1b: the breakdown")
-    lines = ["| model | platform | experts as | device | prompts | loading ms/tok | compute ms/tok | other ms/tok | loading share | MiB/tok | decode tok/s | paper loading share |",
+    lines = ["| model | platform | experts as | device | prompts | loading ms/tok | compute ms/tok | other ms/tok "
+             "| loading share | MiB/tok | decode tok/s | paper loading share |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in b.itertuples():
-        lines.append(f"| {r.model} | {r.platform} | {r.expert_type} | {r.device} | {r.prompts} | {r.loading_ms_per_token:.2f} | "
-                     f"{r.compute_ms_per_token:.2f} | {r.other_ms_per_token:.2f} | {100 * r.loading_share:.0f}% | "
-                     f"{r.mib_per_token:.2f} | {r.decode_tps:.1f} | {paper_share(r.platform)} |")
+        lines.append(f"| {r.model} | {r.platform} | {r.expert_type} | {r.device} | {r.prompts} | "
+                     f"{r.loading_ms_per_token:.2f} | {r.compute_ms_per_token:.2f} | {r.other_ms_per_token:.2f} | "
+                     f"{100 * r.loading_share:.0f}% | {r.mib_per_token:.2f} | {r.decode_tps:.1f} | "
+                     f"{paper_share(r.platform)} |")
     return "\n".join(lines) + "\n"
 
 

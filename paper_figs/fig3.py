@@ -12,6 +12,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from paper_figs import paper
 from paper_figs.output import save  # noqa: E402
 
 
@@ -26,8 +27,6 @@ def table(curves: dict[str, list[float]]) -> str:
 def paper_points(model: str, moe_layers: int) -> dict[str, float]:
     """The paper's Table 3 (K = 4) drafter unique layer-experts of the real model of the same
     routing, scaled from its 26 MoE layers to `moe_layers` (the curves count over all layers)."""
-    from paper_figs import paper
-
     return {name: v[0] * moe_layers / paper.MOE_LAYERS for name, v in paper.TABLE3.get(paper.real(model), {}).items()}
 
 
@@ -40,7 +39,8 @@ def figure(curves: dict[str, list[float]], out_stem: Path, title: str,
         if paper_at_k4 and name in paper_at_k4:
             ax.plot([4], [paper_at_k4[name]], marker="D", ms=8, mfc="none", ls="none", color=line.get_color())
     if paper_at_k4:
-        ax.plot([], [], marker="D", mfc="none", ls="none", color="0.3", label="paper, Table 3 (K = 4, per-layer scaled)")
+        ax.plot([], [], marker="D", mfc="none", ls="none", color="0.3",
+                label="paper, Table 3 (K = 4, per-layer scaled)")
     ax.set_xlabel("draft length j")
     ax.set_ylabel("cumulative unique layer-experts (drafter)")
     ax.set_title(title, fontsize=9)

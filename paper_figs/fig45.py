@@ -38,7 +38,8 @@ def paper_note(model: str) -> str:
 def table(c: dict[str, list[float]]) -> str:
     require(c, COLUMNS, "Figs. 4–5 curves")
     dense = c.get("dense_cost")
-    lines = ["| block length L | unique layer-experts | L · unique(1) | verify cost ×AR |" + (" dense verify cost ×step |" if dense else ""),
+    lines = ["| block length L | unique layer-experts | L · unique(1) | verify cost ×AR |"
+             + (" dense verify cost ×step |" if dense else ""),
              "|---|---|---|---|" + ("---|" if dense else "")]
     for i, (L, u, lin, cost) in enumerate(zip(*(c[k] for k in COLUMNS))):
         lines.append(f"| {L} | {u:.1f} | {lin:.0f} | {cost:.2f} |" + (f" {dense[i]:.2f} |" if dense else ""))

@@ -30,8 +30,10 @@ TABLE3 = {"ds": {"top-1": (84, 0.225, 1.00, 1.00), "top-2": (183, 0.314, 1.36, 1
                  "top-3": (248, 0.440, 1.61, 1.86), "draftexpert": (90, 0.830, 1.06, 1.09)}}
 
 # Table 4: verify cost × one AR step (CG, MN) and prefetch hit / waste.
-TABLE4 = {"ds": {"fixed-k": (2.35, 3.10, None), "conf-exp": (1.48, 1.70, None), "conf-exp-prefetch": (1.25, 1.35, (0.88, 0.12))},
-          "ml": {"fixed-k": (2.55, 3.30, None), "conf-exp": (1.52, 1.76, None), "conf-exp-prefetch": (1.28, 1.40, (0.86, 0.14))}}
+TABLE4 = {"ds": {"fixed-k": (2.35, 3.10, None), "conf-exp": (1.48, 1.70, None),
+                 "conf-exp-prefetch": (1.25, 1.35, (0.88, 0.12))},
+          "ml": {"fixed-k": (2.55, 3.30, None), "conf-exp": (1.52, 1.76, None),
+                 "conf-exp-prefetch": (1.28, 1.40, (0.86, 0.14))}}
 
 # Table 5: KL, acceptance, router agreement, prefetch hit per training objective.
 TABLE5 = {"ds": {"top1": (1.63, 0.477, 0.62, 0.61), "residual": (0.15, 0.795, 0.68, 0.69),

@@ -16,6 +16,8 @@ import matplotlib
 import matplotlib.ticker
 
 matplotlib.use("Agg")
+import math
+
 import matplotlib.pyplot as plt  # noqa: E402
 
 from draftexpert import metrics  # noqa: E402
@@ -56,22 +58,23 @@ def table(res: dict) -> str:
              "DraftExpert: K_max = 4, τ = 0.6, B = 24, prefetch; DraftExpert K = 8: K_max = 8, no truncation, "
              "prefetch; best top-r: over r = 1, 2, 3 at K = 4 and r = 3 at K = 8, fixed K, no prefetch.", "",
              "| read cap | AR TPS | AR loading share | AR limit TPS | best top-r ×AR | DraftExpert ×AR | DE TPS | "
-             "DE limit TPS | DE α | DraftExpert K = 8 ×AR | tokens equal AR |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "DE limit TPS | DE α | DraftExpert K = 8 ×AR | tokens equal AR |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     f = lambda v, fmt: fmt.format(v) if v is not None else "–"  # noqa: E731
     for r in rows(res):
         cap = f"{r['read_bw'] / 1e6:.0f} MB/s" if r["read_bw"] else "uncapped"
-        lines.append(f"| {cap} | {r['ar_tps']:.2f} | {f(r['ar_loading_share'], '{:.2f}')} | {f(r['ar_limit_tps'], '{:.1f}')} | "
-                     f"{f(r['top_r_speedup'], '{:.2f}')} ({r['best_top_r']}) | {f(r['de_speedup'], '{:.2f}')} | "
-                     f"{r['de_tps']:.2f} | {f(r['de_limit_tps'], '{:.1f}')} | {f(r['de_acceptance'], '{:.3f}')} | "
-                     f"{f(r['de_long_speedup'], '{:.2f}')} | {r['tokens_equal_ar']} |")
+        lines.append(f"| {cap} | {r['ar_tps']:.2f} | {f(r['ar_loading_share'], '{:.2f}')} | "
+                     f"{f(r['ar_limit_tps'], '{:.1f}')} | {f(r['top_r_speedup'], '{:.2f}')} ({r['best_top_r']}) | "
+                     f"{f(r['de_speedup'], '{:.2f}')} | {r['de_tps']:.2f} | {f(r['de_limit_tps'], '{:.1f}')} | "
+                     f"{f(r['de_acceptance'], '{:.3f}')} | {f(r['de_long_speedup'], '{:.2f}')} | "
+                     f"{r['tokens_equal_ar']} |")
     return "\n".join(lines) + "\n"
 
 
 def _share_crossing(rs: list[dict], share: float) -> float | None:
     """The read bandwidth (log-interpolated between capped cells) where AR's loading share is `share`."""
-    import math
-
-    pts = sorted((r["read_bw"], r["ar_loading_share"]) for r in rs if r["read_bw"] and r["ar_loading_share"] is not None)
+    pts = sorted((r["read_bw"], r["ar_loading_share"]) for r in rs
+                 if r["read_bw"] and r["ar_loading_share"] is not None)
     for (b0, s0), (b1, s1) in zip(pts, pts[1:]):
         if (s0 - share) * (s1 - share) <= 0 and s0 != s1:
             t = (s0 - share) / (s0 - s1)
@@ -95,15 +98,19 @@ def figure(results: list[dict], out_stem: Path, source: str) -> list[Path]:
                     label=f"DraftExpert K = 8, no truncation ({res['engine']})")
         ax.plot(bw, [r["top_r_speedup"] for r in rs], marker="s", ls="--", color=c, alpha=0.6,
                 label=f"best top-r ({res['engine']})")
-        share_ax.plot(bw, [r["ar_loading_share"] for r in rs], ls=":", color=c, label=f"AR loading share ({res['engine']})")
+        share_ax.plot(bw, [r["ar_loading_share"] for r in rs], ls=":", color=c,
+                      label=f"AR loading share ({res['engine']})")
         top = max([top] + [r["de_speedup"] or 0 for r in rs] + [r["top_r_speedup"] or 0 for r in rs])
         x = _share_crossing(rs, PAPER_MN_LOADING_SHARE)
         if x is not None:
             ax.plot([x / 1e6], [PAPER_SPEEDUP["mn"]], marker="*", ms=12, color=c, ls="none",
-                    label=f"paper MN (DS) {PAPER_SPEEDUP['mn']}× at AR share {PAPER_MN_LOADING_SHARE:.2f} ({res['engine']})")
+                    label=f"paper MN (DS) {PAPER_SPEEDUP['mn']}× at AR share {PAPER_MN_LOADING_SHARE:.2f} "
+                    f"({res['engine']})")
         ax_tps.plot(bw, [r["ar_tps"] for r in rs], marker="o", color=c, label=f"AR ({res['engine']})")
-        ax_tps.plot(bw, [r["de_tps"] for r in rs], marker="^", color=c, alpha=0.7, label=f"DraftExpert ({res['engine']})")
-        ax_tps.plot(bw, [r["ar_limit_tps"] for r in rs], ls="--", lw=1, color=c, label=f"AR physical limit ({res['engine']})")
+        ax_tps.plot(bw, [r["de_tps"] for r in rs], marker="^", color=c, alpha=0.7,
+                    label=f"DraftExpert ({res['engine']})")
+        ax_tps.plot(bw, [r["ar_limit_tps"] for r in rs], ls="--", lw=1, color=c,
+                    label=f"AR physical limit ({res['engine']})")
         ax_tps.plot(bw, [r["de_limit_tps"] for r in rs], ls=":", lw=1, color=c,
                     label=f"DraftExpert physical limit ({res['engine']})")
     if not any(_share_crossing([r for r in rows(res) if r["read_bw"]], PAPER_MN_LOADING_SHARE) for res in results):
@@ -111,7 +118,8 @@ def figure(results: list[dict], out_stem: Path, source: str) -> list[Path]:
                    label=f"paper MN (DS) {PAPER_SPEEDUP['mn']}× (its AR loading share {PAPER_MN_LOADING_SHARE:.2f} "
                          "is below every one measured here)")
     ax.axhline(1.0, color="grey", lw=0.8)
-    ax.axhline(PAPER_SPEEDUP["cg"], color="grey", ls="-.", lw=0.8, label="paper CG (DS) 1.36× (no loading share stated)")
+    ax.axhline(PAPER_SPEEDUP["cg"], color="grey", ls="-.", lw=0.8,
+               label="paper CG (DS) 1.36× (no loading share stated)")
     ticks = sorted({r["read_bw"] / 1e6 for res in results for r in rows(res) if r["read_bw"]})
     for a in (ax, ax_tps):
         a.set_xscale("log")

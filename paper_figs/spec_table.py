@@ -28,7 +28,7 @@ def table(result: dict) -> str:
             ("prefetch_waste_rate", "waste", "{:.2f}"), ("loading_share", "load share", "{:.2f}"),
             ("physical_limit_tps", "limit TPS", "{:.1f}")]
     m = paper.real(result.get("model", ""))
-    lines = ["| method | " + " | ".join(c[1] for c in cols) + f" | paper α | paper ×AR |",
+    lines = ["| method | " + " | ".join(c[1] for c in cols) + " | paper α | paper ×AR |",
              "|---" * (len(cols) + 3) + "|"]
     for label, row in result["methods"].items():
         cells = [fmt.format(row[k]) if row.get(k) is not None else "–" for k, _, fmt in cols]
@@ -36,9 +36,10 @@ def table(result: dict) -> str:
     t2 = paper.TABLE2.get((m, result.get("platform")))
     if t2:
         lines.append(f"\npaper ({m.upper()}, {result.get('platform').upper()}; Table 2): AR {t2['ar']:.2f} TPS, best "
-                     f"shared+top-r {t2['top-r']:.2f} ({t2['top-r'] / t2['ar']:.2f}×AR), DraftExpert {t2['draftexpert']:.2f} "
-                     f"({t2['speedup']:.2f}×)" + (f", resident AR {paper.RESIDENT_MN_DS_TPS:.2f}"
-                                                  if (m, result.get("platform")) == ("ds", "mn") else "")
+                     f"shared+top-r {t2['top-r']:.2f} ({t2['top-r'] / t2['ar']:.2f}×AR), "
+                     f"DraftExpert {t2['draftexpert']:.2f} ({t2['speedup']:.2f}×)"
+                     + (f", resident AR {paper.RESIDENT_MN_DS_TPS:.2f}"
+                        if (m, result.get("platform")) == ("ds", "mn") else "")
                      + "; paper α: Table 3 at K = 4.")
     return "\n".join(lines)
 
@@ -50,8 +51,9 @@ def table4(result: dict) -> str:
             ("prefetch_waste_rate", "waste", "{:.2f}"), ("decode_tps", "TPS", "{:.2f}"), ("speedup", "×AR", "{:.2f}")]
     t4 = paper.TABLE4.get(paper.real(result.get("model", "")), {})
     plat = 1 if result.get("platform") == "mn" else 0
-    lines = ["| policy | " + " | ".join(c[1] for c in cols) + f" | paper cost ×AR ({result.get('platform', '?').upper()}) "
-             "| paper hit / waste |", "|---" * (len(cols) + 3) + "|"]
+    lines = ["| policy | " + " | ".join(c[1] for c in cols)
+             + f" | paper cost ×AR ({result.get('platform', '?').upper()}) | paper hit / waste |",
+             "|---" * (len(cols) + 3) + "|"]
     for label, row in result["methods"].items():
         if label == "ar":
             continue

@@ -53,8 +53,8 @@ def column(config: dict, machines: list[dict], caps: list[int]) -> dict:
         "host": f"{mem['total_gib']:.1f} GiB RAM",
         "experts from": {"mn": "a GGUF file on storage, staged on demand", "cg": "host memory, copied on demand",
                          "resident": "resident (no movement)"}[platform],
-        "storage / link": f"{st.get('device')} ({st.get('fstype')}, {'reported rotational' if st.get('rotational') else 'non-rotational'}), "
-                          f"{bw}{link}",
+        "storage / link": f"{st.get('device')} ({st.get('fstype')}, "
+                          f"{'reported rotational' if st.get('rotational') else 'non-rotational'}), {bw}{link}",
         "runtime": runtime,
         "read cap": "; ".join((["uncapped"] if any(not c for c in caps) else [])
                               + ([" / ".join(f"{c // 10**6}" for c in capped) + " MB/s (kernel block-I/O throttle)"]

@@ -26,11 +26,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
 
 REPO = Path(__file__).resolve().parents[1]
 SHARD_BYTES = 4 << 30
@@ -41,8 +45,8 @@ def tensor_shapes(cfg: dict) -> list[tuple[str, tuple[int, ...]]]:
     H, V, L = cfg["hidden_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
     heads, nope, rope, vdim = (cfg["num_attention_heads"], cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"],
                                cfg["v_head_dim"])
-    kv, E, I = cfg["kv_lora_rank"], cfg["n_routed_experts"], cfg["moe_intermediate_size"]
-    S = I * cfg["n_shared_experts"]
+    kv, E, inter = cfg["kv_lora_rank"], cfg["n_routed_experts"], cfg["moe_intermediate_size"]
+    S = inter * cfg["n_shared_experts"]
     out = [("model.embed_tokens.weight", (V, H))]
     for i in range(L):
         p = f"model.layers.{i}."
@@ -61,15 +65,13 @@ def tensor_shapes(cfg: dict) -> list[tuple[str, tuple[int, ...]]]:
                 (p + "mlp.shared_experts.up_proj.weight", (S, H)), (p + "mlp.shared_experts.down_proj.weight", (H, S))]
         for e in range(E):
             q = f"{p}mlp.experts.{e}."
-            out += [(q + "gate_proj.weight", (I, H)), (q + "up_proj.weight", (I, H)), (q + "down_proj.weight", (H, I))]
+            out += [(q + "gate_proj.weight", (inter, H)), (q + "up_proj.weight", (inter, H)),
+                    (q + "down_proj.weight", (H, inter))]
     return out + [("model.norm.weight", (H,)), ("lm_head.weight", (V, H))]
 
 
 def write_checkpoint(folder: Path, config: Path, log) -> int:
     """The random checkpoint of `config`, shard by shard (one shard in memory); returns its bytes."""
-    import torch
-    from safetensors.torch import save_file
-
     cfg = json.loads(config.read_text())
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(cfg, indent=2))
@@ -170,8 +172,8 @@ def distill_rows(a, bench: list[str], ckpt: Path, cap, env: dict, log) -> list[d
     cmds = [("distill", [*bench, "distill", "--model", a.model, "--model-path", str(ckpt), "--teacher", "runtime",
                          "--platform", "mn", "--expert-type", "q4_0", "--steps", str(a.distill_steps), "--batch-size",
                          "1", "--seq-len", "64", "--held-out", "4", "--threads", "2", "--out", str(out), "--json"]),
-            ("draftexpert, distilled", [*bench, "run", "--model", a.model, "--model-path", str(ckpt), "--platform", "mn",
-                                        "--expert-type", "q4_0", "--method", "draftexpert", "--suite", "gsm8k",
+            ("draftexpert, distilled", [*bench, "run", "--model", a.model, "--model-path", str(ckpt), "--platform",
+                                        "mn", "--expert-type", "q4_0", "--method", "draftexpert", "--suite", "gsm8k",
                                         "--limit", "1", "--max-new-tokens", str(a.tokens), "--out",
                                         str(a.dir / "runs" / "q4_0-torch-draftexpert-distilled"), "--json",
                                         "--draft-experts", str(out)])]
@@ -238,8 +240,6 @@ def cg_rows(a, bench: list[str], ckpt: Path, cap, env: dict, log) -> list[dict]:
 
 
 def parse_size(text: str) -> int:
-    import re
-
     m = re.fullmatch(r"([0-9.]+)\s*(k|m|g|t)?(i)?b?", text.strip().lower())
     if not m:
         raise SystemExit(f"--mem-cap: {text!r} is not a size (e.g. 18GiB)")
@@ -305,11 +305,12 @@ def main() -> int:
             for f in cache.rglob(f"*{qtype}*"):  # this type's expert file and heads: room for the next
                 f.unlink() if f.is_file() or f.is_symlink() else shutil.rmtree(f)
         for host in ("64GiB", "24GiB"):
-            r = run_child([*bench, "plan", "--model", "ds", "--platform", "cg", "--host-mem", host, "--gpu-mem", "24GiB",
-                           "--json"], None, env, a.dir / "scratch")
+            r = run_child([*bench, "plan", "--model", "ds", "--platform", "cg", "--host-mem", host, "--gpu-mem",
+                           "24GiB", "--json"], None, env, a.dir / "scratch")
             p = json.loads(r["stdout"])
-            rows.append({"plan": f"cg, host {host}, GPU 24GiB", "fits": p["fits"], "pinned_gib": p["host_pinned"] / 2**30,
-                         "host_gib": p["host"] / 2**30, "warning": p["warning"]})
+            rows.append({"plan": f"cg, host {host}, GPU 24GiB", "fits": p["fits"],
+                         "pinned_gib": p["host_pinned"] / 2**30, "host_gib": p["host"] / 2**30,
+                         "warning": p["warning"]})
             log(json.dumps(rows[-1]))
     finally:
         if cap:

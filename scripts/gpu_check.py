@@ -21,15 +21,19 @@ Checks (exit 1 if any fails):
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import statistics
 import sys
 import tempfile
 import time
 import traceback
+import warnings
 from pathlib import Path
 
 import torch
+import transformers
+from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -37,6 +41,7 @@ from baselines.ar import AROffloadDecoder  # noqa: E402
 from draftexpert.engines.torch_engine import TorchEngine  # noqa: E402
 from draftexpert.runtime.experts import HostPool, HostStore  # noqa: E402
 from draftexpert.runtime.loader import build_model  # noqa: E402
+from draftexpert.runtime.model import KVCache  # noqa: E402
 from draftexpert.speculation.drafters import DraftExperts, make_draft_path  # noqa: E402
 from draftexpert.speculation.round import SpecConfig, SpeculativeDecoder  # noqa: E402
 
@@ -50,8 +55,6 @@ DS_LAYER = dict(experts=6, hidden=2048, inter=1408)  # DS-V2-Lite: hidden 2048, 
 
 
 def random_checkpoint(folder: Path, version: str) -> Path:
-    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
-
     torch.manual_seed(0)
     if version == "v2":
         model = DeepseekV2ForCausalLM(DeepseekV2Config(**DIMS, topk_method="greedy"))
@@ -136,8 +139,6 @@ def verify_gap(model, prompt=PROMPTS[2], block: int = 5) -> float:
     """How far a verify pass's rows are from the one-token steps that AR takes over the same tokens
     (max |Δ logit|): what exactness rests on. Not bitwise — the block's GEMMs and its per-expert
     sums round otherwise — so a greedy token can differ only where the top two logits are closer."""
-    from draftexpert.runtime.model import KVCache
-
     ids = torch.tensor(prompt)  # [S]: the last `block` tokens verified at once, or stepped one by one
     dt, dev = model.embed.dtype, model.embed.device
 
@@ -156,9 +157,6 @@ def verify_gap(model, prompt=PROMPTS[2], block: int = 5) -> float:
 def host_syncs(model, new: int = 16) -> dict:
     """What makes the host wait on the GPU during AR decoding (torch's sync debug mode): per token,
     and the three lines that do it most (by design one routing read-back per MoE layer)."""
-    import collections
-    import warnings
-
     decoder = AROffloadDecoder(TorchEngine(model))
     decoder.generate(list(PROMPTS[0]), 4)  # warm-up
     with warnings.catch_warnings(record=True) as caught:
@@ -220,8 +218,6 @@ def main() -> int:
               file=sys.stderr)
         return 2
     t0 = time.perf_counter()
-    import transformers
-
     report = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
               "torch": torch.__version__, "transformers": transformers.__version__, "models": {}}
 
@@ -233,7 +229,7 @@ def main() -> int:
         for version in ("v2", "v3"):
             try:
                 report["models"][version] = exactness(random_checkpoint(Path(tmp), version), args.device)
-            except Exception as e:  # noqa: BLE001 -- the model or its resident reference did not run
+            except Exception:  # noqa: BLE001 -- the model or its resident reference did not run
                 report["models"][version] = {"checks": {"runs": False}, "errors": {"runs": traceback.format_exc()}}
             print(f"{version}: {json.dumps(report['models'][version])}", file=sys.stderr, flush=True)
             save()

@@ -8,6 +8,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+from bench.tiny.tokenizer import train_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 BENCH = [sys.executable, "-m", "bench.cli"]
@@ -21,11 +25,6 @@ def run_bench(*args, env=None, **kw):
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory) -> Path:
     """A 2-layer random DeepseekV2 model (layer 0 dense, layer 1 MoE) + tokenizer, saved like the real ones."""
-    import torch
-    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
-
-    from bench.tiny.tokenizer import train_tokenizer
-
     folder = tmp_path_factory.mktemp("tiny-ckpt")
     words = "the model routes each token to six experts and the shared experts see every token".split()
     texts = [" ".join(words[i:] + words[:i]) for i in range(len(words))] * 20

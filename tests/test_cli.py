@@ -2,6 +2,8 @@ import json
 
 import pytest
 
+from bench.reproduce import spec_compare
+from bench.speed import ENGINE_CELLS
 from tests.conftest import REPO, run_bench
 
 
@@ -40,7 +42,8 @@ def test_reproduce_writes_fig1a_and_lists_pending(tmp_path):
     for model in ("ds-tiny",):
         spec = json.loads((tmp_path / f"spec_compare_{model}_mn.json").read_text())
         assert set(spec["methods"]) == {"ar", "ar-resident", "top-1", "top-2", "top-3", "draftexpert"}
-        assert spec["methods"]["ar"]["physical_limit_tps"] > 0 and spec["methods"]["ar-resident"]["physical_limit_tps"] is None
+        assert spec["methods"]["ar"]["physical_limit_tps"] > 0
+        assert spec["methods"]["ar-resident"]["physical_limit_tps"] is None
         assert all(spec["tokens_equal_ar"].values()) and spec["methods"]["top-1"]["acceptance"] is not None
         assert spec["methods"]["draftexpert"]["method_args"]["draft_experts"]["preset"] == "full"
         assert f"### {model}" in (tmp_path / "fig2_tradeoff.md").read_text()
@@ -89,8 +92,6 @@ def test_reproduce_writes_fig1a_and_lists_pending(tmp_path):
 
 def test_reproduce_cg_rows_put_the_resident_bound_and_the_copy_in_limit_beside_ar(tmp_path, monkeypatch):
     """Table 2's cg rows (what `make reproduce` runs on a GPU machine), here with the CPU as the accelerator."""
-    from bench.reproduce import spec_compare
-
     monkeypatch.setenv("DRAFTEXPERT_CACHE", str(tmp_path / "cache"))
     written = spec_compare(tmp_path, lambda m: None, per_suite=1, tokens=4, models=("ds-tiny",), platform="cg",
                            device="cpu")
@@ -102,7 +103,8 @@ def test_reproduce_cg_rows_put_the_resident_bound_and_the_copy_in_limit_beside_a
     rows = res["methods"]
     assert rows["ar-resident"]["platform"] == "resident" and rows["ar-resident"]["method_args"]["device"] == "cpu"
     assert rows["ar"]["loading_share"] > 0 and rows["ar-resident"]["decode_loads"] == 0
-    assert rows["ar"]["physical_limit_tps"] > 0 and "copy-in rate" in (tmp_path / "spec_compare_ds-tiny_cg_cpu.md").read_text()
+    assert rows["ar"]["physical_limit_tps"] > 0
+    assert "copy-in rate" in (tmp_path / "spec_compare_ds-tiny_cg_cpu.md").read_text()
 
 
 def test_a_staging_the_engine_lacks_is_refused_by_name(tmp_path):
@@ -138,8 +140,6 @@ def test_speed_engines_reports_both_engines_beside_their_resident_bounds():
                   "--rounds", "1", "--json")
     assert p.returncode == 0, p.stderr
     r = json.loads(p.stdout)
-    from bench.speed import ENGINE_CELLS
-
     assert set(r["ms_per_token"]) == {label for label, _ in ENGINE_CELLS}
     assert all(v["n"] == 1 and v["median"] > 0 for v in r["ms_per_token"].values())
     assert r["stall_ms_per_token"]["llama.cpp"]["median"] > 0 == r["stall_ms_per_token"]["llama.cpp resident"]["median"]

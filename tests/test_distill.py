@@ -1,14 +1,36 @@
 """Self-distillation of draft experts: the loss terms on hand-checkable cases, the training path
 equal to the decoding path, a frozen target, and checkpoints that refuse a foreign target."""
+import inspect
+
+import numpy as np
 import pytest
 import torch
 from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
 
-from draftexpert.training.distill import (DistillConfig, DistillError, DraftExpertModule, TransformersTeacher, by_margin,
-                                          draft_pass, eval_windows, evaluate_continuations, load_draft_experts, losses,
-                                          save_draft_experts, target_pass, token_counts, train)
-from draftexpert.speculation.drafters import draftexpert
+from bench.cli import distill_cmd
+from bench.distill import state_dir
+from draftexpert.runtime.loader import build_model, convert_experts
 from draftexpert.runtime.model import KVCache, ModelConfig, from_hf_model
+from draftexpert.speculation.drafters import draftexpert
+from draftexpert.training.distill import (
+    PRESETS,
+    DistillConfig,
+    DistillError,
+    DraftExpertModule,
+    RuntimeTeacher,
+    TransformersTeacher,
+    by_margin,
+    draft_pass,
+    eval_windows,
+    evaluate_continuations,
+    load_draft_experts,
+    losses,
+    save_draft_experts,
+    target_pass,
+    token_counts,
+    total_loss,
+    train,
+)
 
 COMMON = dict(vocab_size=300, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
               first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=16,
@@ -104,20 +126,20 @@ def test_training_path_equals_decoding_path(version):
 
 
 def test_distillation_trains_only_the_draft_experts(tmp_path):
-    import numpy as np
-
     hf = model("v2")
     before = {k: v.clone() for k, v in hf.state_dict().items()}
     data = np.random.default_rng(0).integers(3, 300, 4000).astype(np.uint16)
     cfg = DistillConfig(preset="full", intermediate=8, steps=6, batch_size=2, seq_len=16, eval_every=3,
                         checkpoint_every=3, warmup=1)
     teacher = TransformersTeacher(hf)
-    draft, hist = train(teacher, data, eval_windows(data, 4, 16), cfg, tmp_path / "state", log=lambda m: None, progress=False)
+    draft, hist = train(teacher, data, eval_windows(data, 4, 16), cfg, tmp_path / "state", log=lambda m: None,
+                        progress=False)
     assert all(torch.equal(before[k], v) for k, v in hf.state_dict().items())
     assert all(p.abs().sum() > 0 for p in draft.down.values())  # started at 0, moved
     assert {"res", "logit", "tok", "router", "loss"} <= set(hist[0]) and "eval" in hist[2]
     # resuming a finished run does nothing more and returns the same experts
-    again, hist2 = train(teacher, data, eval_windows(data, 4, 16), cfg, tmp_path / "state", log=lambda m: None, progress=False)
+    again, hist2 = train(teacher, data, eval_windows(data, 4, 16), cfg, tmp_path / "state", log=lambda m: None,
+                         progress=False)
     assert len(hist2) == 6 and all(torch.equal(a, b) for a, b in zip(draft.parameters(), again.parameters()))
     with pytest.raises(DistillError, match="another configuration"):
         train(teacher, data, [], DistillConfig(preset="residual", intermediate=8, steps=6, batch_size=2, seq_len=16),
@@ -148,9 +170,6 @@ def test_the_runtime_teacher_is_the_transformers_teacher(version, store, tmp_pat
     """Distillation where inference runs: both paths through the offload runtime (experts streamed
     from the store, the draft path's top-1 term recomputed in the backward) give transformers'
     activations, every loss term and the draft experts' gradients (fp32, f32 expert file)."""
-    from draftexpert.runtime.loader import build_model, convert_experts
-    from draftexpert.training.distill import PRESETS, RuntimeTeacher, TransformersTeacher, total_loss
-
     hf = model(version, layers=5)  # 4 MoE layers: the backward needs every layer's cache rows unchanged
     hf.save_pretrained(tmp_path / "ckpt")
     gguf = convert_experts(tmp_path / "ckpt", tmp_path / "experts.gguf", "f32") if store == "flash" else None
@@ -183,13 +202,9 @@ def test_the_runtime_teacher_is_the_transformers_teacher(version, store, tmp_pat
 
 def test_distillation_runs_through_the_offload_runtime(tmp_path):
     """`train` with the runtime teacher over the flash store (Q4_0 experts, as on mn): it trains."""
-    import numpy as np
-
-    from draftexpert.runtime.loader import build_model, convert_experts
-    from draftexpert.training.distill import RuntimeTeacher
-
     model("v3").save_pretrained(tmp_path / "ckpt")
-    lean = build_model(tmp_path / "ckpt", "flash", gguf_path=convert_experts(tmp_path / "ckpt", tmp_path / "e.gguf", "q4_0"))
+    lean = build_model(tmp_path / "ckpt", "flash",
+                       gguf_path=convert_experts(tmp_path / "ckpt", tmp_path / "e.gguf", "q4_0"))
     data = np.random.default_rng(0).integers(3, 300, 4000).astype(np.uint16)
     cfg = DistillConfig(preset="full", intermediate=8, steps=3, batch_size=2, seq_len=16, eval_every=3, warmup=1)
     draft, hist = train(RuntimeTeacher(lean), data, eval_windows(data, 4, 16), cfg, tmp_path / "state",
@@ -199,23 +214,18 @@ def test_distillation_runs_through_the_offload_runtime(tmp_path):
 
 def test_resumable_state_is_keyed_by_the_target_weights(tmp_path):
     """A retrained target (same config, new weights) must not resume the old target's distillation."""
-    from bench.distill import state_dir
-
     model("v2").save_pretrained(tmp_path / "a")
     model("v2", layers=2).save_pretrained(tmp_path / "b")
     cfg = DistillConfig(preset="full", intermediate=8)
     here = state_dir("ds-tiny", tmp_path / "a", cfg, "transformers", "mn", "q4_0")
     assert here == state_dir("ds-tiny", tmp_path / "a", cfg, "transformers", "mn", "q4_0")
     assert here != state_dir("ds-tiny", tmp_path / "b", cfg, "transformers", "mn", "q4_0")
-    assert here != state_dir("ds-tiny", tmp_path / "a", DistillConfig(preset="full", intermediate=16), "transformers", "mn", "q4_0")
+    assert here != state_dir("ds-tiny", tmp_path / "a", DistillConfig(preset="full", intermediate=16), "transformers",
+                             "mn", "q4_0")
 
 
 def test_bench_distill_defaults_are_the_trainers():
     """The CLI keeps its own copy of the defaults (it must not import torch to start); they must not drift."""
-    import inspect
-
-    from bench.cli import distill_cmd
-
     params = inspect.signature(distill_cmd).parameters
     for name in ("steps", "batch_size", "seq_len", "lr", "alpha", "beta", "eta"):
         assert params[name].default == getattr(DistillConfig, name), name

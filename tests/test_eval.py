@@ -5,13 +5,20 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
+from transformers import AutoModelForCausalLM
+from typer.testing import CliRunner
+
+from bench.cli import app
 
 pytest.importorskip("lm_eval")
+from lm_eval.api.instance import Instance  # noqa: E402
+
+from bench.eval_tasks import mbpp, mbpp_results, passes  # noqa: E402
+from bench.evaluation import DraftExpertLM, evaluate, lm_eval_main  # noqa: E402
 
 
 def test_mbpp_pass_at_1_runs_the_tests():
-    from bench.eval_tasks import mbpp_results, passes
-
     tests = ["assert add(2, 3) == 5", "assert add(0, 0) == 0"]
     assert passes("def add(a, b):\n    return a + b", tests)
     assert not passes("def add(a, b):\n    return a * b", tests)
@@ -20,15 +27,11 @@ def test_mbpp_pass_at_1_runs_the_tests():
 
 
 def test_the_offline_tasks_read_the_shipped_data():
-    from bench.eval_tasks import mbpp
-
     test = mbpp()["test"]
     assert len(test) == 500 and {r["task_id"] for r in test} == set(range(11, 511))
 
 
 def test_lm_eval_command_line_runs_the_registered_model(tiny_checkpoint, tmp_path, capsys, monkeypatch):
-    from bench.evaluation import lm_eval_main
-
     monkeypatch.chdir(tmp_path)
     args = (f"model=ds-tiny,model_path={tiny_checkpoint},method=draftexpert,platform=resident,max_gen_toks=6,"
             f"out={tmp_path / 'run'},draft_experts=zero")
@@ -42,8 +45,6 @@ def test_lm_eval_command_line_runs_the_registered_model(tiny_checkpoint, tmp_pat
 
 
 def test_bench_eval_methods_answer_identically(tiny_checkpoint, tmp_path, monkeypatch):
-    from bench.evaluation import evaluate
-
     monkeypatch.setenv("DRAFTEXPERT_CACHE", str(tmp_path / "cache"))
     args = {"expert_type": "f32", "draft_experts": "zero"}
     res = evaluate("ds-tiny", tiny_checkpoint, ["mbpp"], ["ar", "top-r", "draftexpert"], tmp_path / "eval",
@@ -61,10 +62,6 @@ def test_bench_eval_methods_answer_identically(tiny_checkpoint, tmp_path, monkey
 
 
 def test_a_task_that_runs_code_needs_the_flag(tiny_checkpoint, tmp_path):
-    from typer.testing import CliRunner
-
-    from bench.cli import app
-
     res = CliRunner().invoke(app, ["eval", "--model", "ds-tiny", "--model-path", str(tiny_checkpoint), "--tasks",
                                    "gsm8k,mbpp", "--out", str(tmp_path / "out")])
     assert res.exit_code == 2 and "pass --allow-code-execution" in res.output
@@ -72,12 +69,6 @@ def test_a_task_that_runs_code_needs_the_flag(tiny_checkpoint, tmp_path):
 
 
 def test_loglikelihood_is_the_target_forward(tiny_checkpoint):
-    import torch
-    from lm_eval.api.instance import Instance
-    from transformers import AutoModelForCausalLM
-
-    from bench.evaluation import DraftExpertLM
-
     lm = DraftExpertLM(model="ds-tiny", model_path=str(tiny_checkpoint), method="ar", platform="resident")
     ref = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32).eval()
     context, continuation = "the model routes each", " token to six experts"

@@ -10,10 +10,16 @@ import time
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
+from typer.testing import CliRunner
 
-from bench import artifacts
+from bench import artifacts, prompts
 from bench.cell import Cell, SpecOptions
+from bench.cli import app
+from bench.decoders import make_decoder
+from bench.prompts import render_prompt
 from bench.results import RecordWriter, RunFolderError, RunManifest, check_run_dir, load_results, read_records
+from bench.runner import context_overflows, run_cells
 from draftexpert.decoding import ContextOverflow, NonFiniteLogits, sample
 from draftexpert.runtime.gguf_experts import checksum_path, verify_checksums
 from tests.conftest import BENCH, REPO, run_bench
@@ -38,8 +44,6 @@ def _one_line_error(p, *words):
 
 def _copy_with(ckpt, dest, edit):
     """A copy of the checkpoint whose weights `edit(tensors)` changed in place."""
-    from safetensors.torch import load_file, save_file
-
     shutil.copytree(ckpt, dest)
     tensors = load_file(str(dest / "model.safetensors"))
     edit(tensors)
@@ -53,10 +57,6 @@ def _copy_with(ckpt, dest, edit):
 def test_other_weights_are_other_cells(tiny_checkpoint, tmp_path, monkeypatch):
     """Records carry the weights' fingerprint in their key: a run over other weights of the same
     architecture into the same folder is decoded anew, never taken as done."""
-    from bench import prompts
-    from bench.decoders import make_decoder
-    from bench.runner import run_cells
-
     monkeypatch.setenv("DRAFTEXPERT_CACHE", str(tmp_path / "cache"))
     other = _copy_with(tiny_checkpoint, tmp_path / "other", lambda t: t["lm_head.weight"].mul_(1.5))
     out = tmp_path / "run"
@@ -129,11 +129,6 @@ def test_prompts_past_the_context_are_skipped_with_their_reason_or_refused(tiny_
     man = json.loads((out / "manifest.json").read_text())["sessions"][-1]
     assert man["status"] == "complete" and len(man["skipped_context"]) == 2
     # speculation reserves K_max + 1: a prompt that fits AR can overflow a speculative decoder
-    from bench import prompts
-    from bench.decoders import make_decoder
-    from bench.prompts import render_prompt
-    from bench.runner import context_overflows, run_cells
-
     n = s["skipped_context"][0]["prompt_tokens"]
     fits_ar = 2048 - n
     for method, refused in (("ar", False), ("top-r", True)):
@@ -148,8 +143,6 @@ def test_prompts_past_the_context_are_skipped_with_their_reason_or_refused(tiny_
 
 
 def test_every_decoder_refuses_a_sequence_past_its_context(tiny_checkpoint):
-    from bench.decoders import make_decoder
-
     for method in ("ar", "top-r", "draftexpert", "reference"):
         dec, tok, _ = make_decoder(Cell(method=method, platform="resident"), tiny_checkpoint)
         assert dec.context_length == 2048
@@ -206,7 +199,8 @@ def test_a_full_disk_fails_the_session_and_leaves_no_partial_file(tmp_path, monk
         with pytest.raises(RunFolderError, match="No space left.*rerun the same command"):
             w.write({"key": "b", "pad": "x" * 100})
         monkeypatch.setattr(os, "write", real)
-    assert (run / "records.jsonl").read_bytes().endswith(b"\n") and [r["key"] for r in read_records(run / "records.jsonl")] == ["a"]
+    assert (run / "records.jsonl").read_bytes().endswith(b"\n")
+    assert [r["key"] for r in read_records(run / "records.jsonl")] == ["a"]
 
     def no_space(fd):
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -247,8 +241,6 @@ def test_ctrl_c_says_how_to_resume(tiny_checkpoint, tmp_path):
 
 
 def test_bad_draft_experts_and_checkpoints_name_the_file(tiny_checkpoint, tmp_path, monkeypatch):
-    from bench.decoders import make_decoder
-
     garbage = tmp_path / "garbage.safetensors"
     garbage.write_bytes(os.urandom(4096))
     p = run_bench(*_run(tiny_checkpoint, tmp_path / "a", "--method", "draftexpert", "--draft-experts", str(garbage),
@@ -258,7 +250,8 @@ def test_bad_draft_experts_and_checkpoints_name_the_file(tiny_checkpoint, tmp_pa
     monkeypatch.setenv("DRAFTEXPERT_CACHE", str(tmp_path / "cache"))
     weights = tiny_checkpoint / "model.safetensors"
     with pytest.raises(ValueError, match="not a draft-expert checkpoint.*model weights"):
-        make_decoder(Cell(method="draftexpert", platform="resident", spec=SpecOptions(draft_experts=weights)), tiny_checkpoint)
+        make_decoder(Cell(method="draftexpert", platform="resident", spec=SpecOptions(draft_experts=weights)),
+                     tiny_checkpoint)
     only_config = tmp_path / "cfg"
     only_config.mkdir()
     shutil.copy(tiny_checkpoint / "config.json", only_config)
@@ -285,10 +278,6 @@ def test_bad_draft_experts_and_checkpoints_name_the_file(tiny_checkpoint, tmp_pa
     (["--head-type", "q8_0"], "--head-type: 'q8_0' is not one of checkpoint, q4_0"),
 ])
 def test_flags_that_do_not_apply_are_refused(tiny_checkpoint, tmp_path, args, words):
-    from typer.testing import CliRunner
-
-    from bench.cli import app
-
     res = CliRunner().invoke(app, _run(tiny_checkpoint, tmp_path / "x", *args))  # refused before any model loads
     assert res.exit_code == 2 and words in res.output, res.output
     assert not (tmp_path / "x").exists()
@@ -296,12 +285,10 @@ def test_flags_that_do_not_apply_are_refused(tiny_checkpoint, tmp_path, args, wo
 
 def test_llama_cpp_refuses_a_sequence_past_its_context(tiny_checkpoint, tmp_path, monkeypatch):
     pytest.importorskip("llama_cpp")
-    from bench.decoders import make_decoder
-
     monkeypatch.setenv("DRAFTEXPERT_CACHE", str(tmp_path / "cache"))
     for method in ("ar", "top-r"):
-        dec, _, _ = make_decoder(Cell(method=method, platform="mn", expert_type="f32", engine="llama.cpp"), tiny_checkpoint,
-                                 lambda qt: artifacts.expert_file_for("ds-tiny", tiny_checkpoint, qt))
+        dec, _, _ = make_decoder(Cell(method=method, platform="mn", expert_type="f32", engine="llama.cpp"),
+                                 tiny_checkpoint, lambda qt: artifacts.expert_file_for("ds-tiny", tiny_checkpoint, qt))
         try:
             assert dec.context_length == 2048
             with pytest.raises(ContextOverflow):
@@ -311,16 +298,12 @@ def test_llama_cpp_refuses_a_sequence_past_its_context(tiny_checkpoint, tmp_path
 
 
 def test_gpu_placements_without_a_gpu_are_refused_unless_the_cpu_is_asked_for(tiny_checkpoint, tmp_path):
-    import torch
-    from typer.testing import CliRunner
-
-    from bench.cli import app
-
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU: cg runs on it")
     res = CliRunner().invoke(app, _run(tiny_checkpoint, tmp_path / "x", "--platform", "cg"))
     assert res.exit_code == 2 and "`--device cpu` runs cg with the CPU as the accelerator" in res.output
-    res = CliRunner().invoke(app, _run(tiny_checkpoint, tmp_path / "y", "--platform", "cg", "--device", "cpu", "--json"))
+    res = CliRunner().invoke(app, _run(tiny_checkpoint, tmp_path / "y", "--platform", "cg", "--device", "cpu",
+                                       "--json"))
     assert res.exit_code == 0, res.output
     assert json.loads(res.stdout[res.stdout.index("{"):])["records"][0]["method_args"]["device"] == "cpu"
     res = CliRunner().invoke(app, _run(tiny_checkpoint, tmp_path / "z", "--platform", "mn", "--device", "cuda"))
@@ -335,10 +318,6 @@ def test_gpu_placements_without_a_gpu_are_refused_unless_the_cpu_is_asked_for(ti
 
 
 def test_distill_eval_refuses_a_missing_ablation_checkpoint_and_a_card_for_one(tiny_checkpoint, tmp_path):
-    from typer.testing import CliRunner
-
-    from bench.cli import app
-
     base = ["distill-eval", "--model", "ds-tiny", "--model-path", str(tiny_checkpoint)]
     res = CliRunner().invoke(app, [*base, "--draft-experts", str(tmp_path / "nope.safetensors")])
     assert res.exit_code == 2 and "nope.safetensors" in res.output and "bench distill --out" in res.output, res.output

@@ -1,7 +1,11 @@
 """Figures and tables from small fixtures: Fig. 2, Fig. 3 with the paper's points, the paper's values in Tables 2–5."""
+import pandas as pd
 import pytest
 
-from paper_figs import fig2
+from bench.distill import report
+from bench.distill import table as table5
+from paper_figs import fig1b, fig2, fig3, fig45
+from paper_figs.spec_table import table, table4
 
 
 def _comparison():
@@ -32,8 +36,6 @@ def test_a_missing_row_or_column_is_named():
 
 
 def test_fig3_draws_the_papers_points_scaled_to_the_models_layers(tmp_path):
-    from paper_figs import fig3
-
     pts = fig3.paper_points("ds-tiny", moe_layers=5)
     assert abs(pts["top-1"] - 84 * 5 / 26) < 1e-9 and set(pts) == {"top-1", "top-2", "top-3", "draftexpert"}
     curves = {"top-1": [5.0, 9.5, 13.5, 17.2], "draftexpert": [5.0, 9.6, 13.4, 16.9]}
@@ -42,9 +44,6 @@ def test_fig3_draws_the_papers_points_scaled_to_the_models_layers(tmp_path):
 
 
 def test_tables_print_the_papers_values_beside_ours():
-    from bench.distill import report, table as table5
-    from paper_figs.spec_table import table, table4
-
     row = {"decode_tps": 10.0, "speedup": 1.0, "acceptance": 0.5}
     t2 = table({"model": "ds-tiny", "platform": "mn", "methods": {"ar": row, "top-1": row, "draftexpert": row}})
     assert "| paper α | paper ×AR |" in t2 and "| 0.225 | – |" in t2 and "| 0.850 | 1.52 |" in t2
@@ -57,15 +56,16 @@ def test_tables_print_the_papers_values_beside_ours():
     # with its per-margin readings the report adds the margin table; without them it is Table 5 alone
     margins = {"edges": [0.0, 0.05, 1.0], "share": [0.6, 0.4], "token_agreement": [0.7, float("nan")]}
     r5m = {**r5, "by_target_margin": margins, "target_top1_prob": 0.3,
-           "continuations": {"by_target_margin": margins, "target_top1_prob": 0.2, "tokens": 64, "token_agreement": 0.8}}
-    assert report({"model": "ds-tiny", "presets": {"full": r5}}) == table5({"model": "ds-tiny", "presets": {"full": r5}})
+           "continuations": {"by_target_margin": margins, "target_top1_prob": 0.2, "tokens": 64,
+                             "token_agreement": 0.8}}
+    assert (report({"model": "ds-tiny", "presets": {"full": r5}})
+            == table5({"model": "ds-tiny", "presets": {"full": r5}}))
     full = report({"model": "ds-tiny", "presets": {"full": r5m}})
-    assert "| [0.00, 0.05) | 0.600 / 0.600 | 0.700 / 0.700 |" in full and "| [0.05, 1.00) | 0.400 / 0.400 | – / – |" in full
+    assert "| [0.00, 0.05) | 0.600 / 0.600 | 0.700 / 0.700 |" in full
+    assert "| [0.05, 1.00) | 0.400 / 0.400 | – / – |" in full
 
 
 def _records():
-    import pandas as pd
-
     rec = lambda platform, qtype, loading, compute: {  # noqa: E731 - one AR record of a cell
         "method": "ar", "model": "ds-tiny", "platform": platform, "config_hash": platform + qtype,
         "method_args": {"expert_type": qtype, "device": "cpu"}, "prompt_id": "p", "new_tokens": 11,
@@ -75,8 +75,6 @@ def _records():
 
 
 def test_fig1b_from_fixture_records_prints_the_papers_statement(tmp_path):
-    from paper_figs import fig1b
-
     b = fig1b.breakdown(_records())
     assert list(b.platform) == ["mn", "cg"]
     t = fig1b.table(b)
@@ -90,8 +88,6 @@ def test_fig1b_from_fixture_records_prints_the_papers_statement(tmp_path):
 
 
 def test_fig45_draws_the_dense_half_and_the_papers_table4_points(tmp_path):
-    from paper_figs import fig45
-
     c = {"length": [1, 2, 3], "unique": [30.0, 50.0, 65.0], "linear": [30, 60, 90], "cost": [1.0, 1.6, 2.1],
          "dense_cost": [1.0, 1.02, 1.05]}
     t = fig45.table(c)

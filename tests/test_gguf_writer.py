@@ -1,8 +1,21 @@
 """The streaming expert writer: llama.cpp's layout, tensor by tensor, checksummed, all or nothing."""
+import json
+import os
+
+import gguf
+import numpy as np
 import pytest
 import torch
+from typer.testing import CliRunner
 
-from draftexpert.runtime.gguf_experts import ExpertFile, checksum_path, verify_checksums, write_expert_gguf
+from bench.cli import app
+from draftexpert.runtime.gguf_experts import (
+    ExpertFile,
+    ExpertFileError,
+    checksum_path,
+    verify_checksums,
+    write_expert_gguf,
+)
 
 META = {"n_layer": 3, "first_dense": 1, "n_expert": 4, "n_embd": 64, "n_ff_exp": 32}
 
@@ -24,7 +37,8 @@ def test_streamed_file_holds_every_expert_and_its_checksums(tmp_path, qtype):
         for layer, gate_up, down in _layers():
             for e in (0, 3):
                 gu, d = f.dequantize(f.read_expert(layer, e), "cpu", torch.float32)
-                assert torch.allclose(gu, gate_up[e], atol=tol * 4, rtol=tol) and torch.allclose(d, down[e], atol=tol * 4, rtol=tol)
+                assert torch.allclose(gu, gate_up[e], atol=tol * 4, rtol=tol)
+                assert torch.allclose(d, down[e], atol=tol * 4, rtol=tol)
     finally:
         f.close()
 
@@ -38,10 +52,6 @@ def test_a_checkpoint_that_yields_the_wrong_layers_leaves_nothing(tmp_path):
 
 
 def test_the_store_refuses_a_damaged_file_it_wrote(tmp_path):
-    import os
-
-    from draftexpert.runtime.gguf_experts import ExpertFileError
-
     path = write_expert_gguf(tmp_path / "e.gguf", _layers(), META, "f32")
     with open(path, "r+b") as f:
         f.seek(os.path.getsize(path) - 100)
@@ -51,11 +61,6 @@ def test_the_store_refuses_a_damaged_file_it_wrote(tmp_path):
 
 
 def test_one_expert_is_two_contiguous_reads_and_separate_gate_up_is_refused(tmp_path):
-    import gguf
-    import numpy as np
-
-    from draftexpert.runtime.gguf_experts import ExpertFileError
-
     f = ExpertFile(write_expert_gguf(tmp_path / "e.gguf", _layers(), META, "f32"), staging_buffers=0)
     (gu_off, gu_n), (dn_off, dn_n) = f.ranges(1, 2)
     assert (gu_n, dn_n) == (2 * 32 * 64 * 4, 64 * 32 * 4)  # gate and up of expert 2 in one range
@@ -70,12 +75,6 @@ def test_one_expert_is_two_contiguous_reads_and_separate_gate_up_is_refused(tmp_
 
 
 def test_bench_speed_convert_writes_and_removes_its_file(tmp_path):
-    import json
-
-    from typer.testing import CliRunner
-
-    from bench.cli import app
-
     r = CliRunner().invoke(app, ["speed", "convert", "--model", "ds-tiny", "--layers", "2", "--type", "q4_0",
                                  "--dir", str(tmp_path), "--json"])
     out = json.loads(r.output[r.output.index("{"):])

@@ -3,7 +3,9 @@ from a checkpoint load in llama.cpp and compute the torch runtime's logits and e
 speculative outputs (shared+top-r, DraftExpert) equal llama.cpp's own AR greedy output at f32 and
 Q4_0; the DraftExpert drafter's GGUF computes the torch drafter; staging really goes to storage."""
 import dataclasses
+import json
 import shutil
+import time
 from pathlib import Path
 
 import numpy as np
@@ -11,13 +13,15 @@ import pytest
 import torch
 from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
 
-from draftexpert.speculation.drafters import DraftExperts, draftexpert
 from draftexpert.engines.llama_gguf import link_experts, split_name, write_head
 from draftexpert.runtime.loader import build_model, convert_experts
-from draftexpert.runtime.model import KVCache
+from draftexpert.runtime.model import KVCache, route
+from draftexpert.speculation.drafters import DraftExperts, draftexpert
 from draftexpert.speculation.round import SpecConfig
+from tests.conftest import run_bench
 
 pytest.importorskip("llama_cpp", reason="the llamacpp extra is not installed (make test installs it)")
+import draftexpert.engines.llamacpp as llamacpp  # noqa: E402
 from baselines.ar import AROffloadDecoder  # noqa: E402
 from draftexpert import metrics  # noqa: E402
 from draftexpert.engines.llamacpp import ExpertPages, LlamaEngine, LlamaModel, build_info  # noqa: E402
@@ -50,13 +54,12 @@ def checkpoint(version: str, folder: Path, **over) -> Path:
     if version == "v2":
         m = DeepseekV2ForCausalLM(DeepseekV2Config(**{**COMMON, **over}, topk_method="greedy"))
     else:
-        m = DeepseekV3ForCausalLM(DeepseekV3Config(**{**COMMON, **over}, norm_topk_prob=True, routed_scaling_factor=2.5))
+        m = DeepseekV3ForCausalLM(DeepseekV3Config(**{**COMMON, **over}, norm_topk_prob=True,
+                                                   routed_scaling_factor=2.5))
         for layer in m.model.layers[1:]:
             layer.mlp.gate.e_score_correction_bias.normal_(0, 0.05)
     m.save_pretrained(folder)
     if version == "v3":  # transformers does not save it; llama.cpp needs it (README: converter pitfalls)
-        import json
-
         cfg = json.loads((folder / "config.json").read_text())
         (folder / "config.json").write_text(json.dumps({**cfg, "scoring_func": "sigmoid"}))
     for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
@@ -87,7 +90,8 @@ def random_draft(folder: Path) -> DraftExperts:
 def test_build_is_batch_invariant():
     """Exactness needs a multi-token eval to compute what one-token evals compute: llamafile's
     sgemm (on in llama.cpp's default build) does not (the engine refuses to speculate on it)."""
-    assert build_info().get("LLAMAFILE", "0") == "0", "build llama-cpp-python with CMAKE_ARGS='-DGGML_LLAMAFILE=OFF' (README)"
+    assert build_info().get("LLAMAFILE", "0") == "0", \
+        "build llama-cpp-python with CMAKE_ARGS='-DGGML_LLAMAFILE=OFF' (README)"
 
 
 def test_llama_cpp_computes_the_torch_runtime(ckpt):
@@ -112,8 +116,6 @@ def test_group_limited_routing_is_one_rule_on_both_engines(disk_dir):
     """V3 with 4 expert groups, top-2 groups: llama.cpp's own top-k, the torch runtime's, and the
     runtime's rule applied to llama.cpp's router logits (how `LlamaEngine.predicted` chooses) are
     the same sets at every position; without the group step the rule would choose otherwise."""
-    from draftexpert.runtime.model import route
-
     folder = checkpoint("v3", disk_dir / "v3-groups", n_group=4, topk_group=2)
     head, experts = model_files(folder, "f32")
     lm = LlamaModel(head, 256, 1, kv_type="f32", tap_router_logits=True)
@@ -198,8 +200,6 @@ def test_speculative_equals_llama_cpp_ar(ckpt, qtype):
 def test_experts_come_from_storage(disk_dir, monkeypatch):
     """After `evict` no expert page is cached; a step caches the routed experts' pages (and not
     the whole file); `prefetch` stages an expert without llama.cpp touching it."""
-    import time
-
     folder = disk_dir / "ds-tiny"  # the committed model: experts of ~14 pages each (Q4_0)
     shutil.copytree(REPO / "models" / "ds-tiny", folder, ignore=shutil.ignore_patterns("draft_experts", "*.png"))
     head, experts = model_files(folder, "q4_0")
@@ -213,10 +213,8 @@ def test_experts_come_from_storage(disk_dir, monkeypatch):
     assert all(pages.cached(key) for key in routed) and not pages.cached(next(k for k in pages.keys if k not in routed))
     total_experts = 5 * 64
     assert pages.cached_pages() < pages.region_pages * (len(routed) + 4) / total_experts
-    import draftexpert.engines.llamacpp as llamacpp  # the kernel's count (cachestat) is mincore's
-
     counts = (pages.cached_pages(), [pages.cached(key) for key in pages.keys])
-    monkeypatch.setattr(llamacpp, "_cachestat", None)
+    monkeypatch.setattr(llamacpp, "_cachestat", None)  # the kernel's count (cachestat) is mincore's
     assert (pages.cached_pages(), [pages.cached(key) for key in pages.keys]) == counts
     monkeypatch.undo()
     pages.evict()
@@ -252,7 +250,8 @@ def test_staging_modes_are_exact_and_measured(disk_dir):
         engine.close()
     # the hook ran for every MoE layer of every forward, before llama.cpp had touched that layer's experts
     assert len(cached_before) == 2 * 12 * 5 and not any(cached_before)
-    assert [o.tokens for o in outs["demand"]] == [o.tokens for o in outs["pagefault"]] == [o.tokens for o in outs["resident"]]
+    assert ([o.tokens for o in outs["demand"]] == [o.tokens for o in outs["pagefault"]]
+            == [o.tokens for o in outs["resident"]])
     for o in outs["demand"]:
         ar = o.stats["ledger"]["by_phase"]["ar"]
         assert ar["requested"] == ar["loads"] == ar["forwards"] * 5 * 6  # cold: 5 MoE layers × top-6, each step
@@ -267,10 +266,6 @@ def test_staging_modes_are_exact_and_measured(disk_dir):
 def test_cli_runs_the_engine_and_names_bad_flags(tmp_path):
     """`bench run --engine llama.cpp` end to end (records say which engine and staging), equal to
     its own AR; a platform the engine does not run is named."""
-    import json
-
-    from tests.conftest import run_bench
-
     env = {"DRAFTEXPERT_CACHE": str(REPO / "work" / "pytest-llamacpp-cache")}
     common = ["--engine", "llama.cpp", "--model", "ds-tiny", "--platform", "mn", "--suite", "chat", "--limit", "2",
               "--max-new-tokens", "12", "--json", "--threads", "1"]

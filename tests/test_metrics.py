@@ -5,14 +5,18 @@ import math
 import pytest
 
 from draftexpert import metrics
+from paper_figs import regime
 
 LEDGER = {  # a Ledger.summary() of one prompt: prefill, 3 AR-phase... here draft + verify forwards
     "total": {},
     "prefetch": {"issued": 10, "bytes": 1000, "hits": 8, "waste": 2, "misses": 4},
     "by_phase": {
-        "prefill": {"requested": 30, "loads": 30, "hits": 0, "bytes": 3000, "stall_s": 0.5, "wall_s": 1.0, "forwards": 1, "tokens": 9},
-        "draft": {"requested": 20, "loads": 5, "hits": 15, "bytes": 500, "stall_s": 0.1, "wall_s": 0.4, "forwards": 4, "tokens": 4},
-        "verify": {"requested": 60, "loads": 4, "hits": 56, "bytes": 400, "stall_s": 0.1, "wall_s": 0.6, "forwards": 2, "tokens": 7},
+        "prefill": {"requested": 30, "loads": 30, "hits": 0, "bytes": 3000, "stall_s": 0.5, "wall_s": 1.0,
+                    "forwards": 1, "tokens": 9},
+        "draft": {"requested": 20, "loads": 5, "hits": 15, "bytes": 500, "stall_s": 0.1, "wall_s": 0.4,
+                  "forwards": 4, "tokens": 4},
+        "verify": {"requested": 60, "loads": 4, "hits": 56, "bytes": 400, "stall_s": 0.1, "wall_s": 0.6,
+                   "forwards": 2, "tokens": 7},
     },
 }
 RECORD = {"new_tokens": 9, "decode_s": 2.0, "rounds": 2, "drafted": 6, "accepted": 4, "truncated": 1,
@@ -86,8 +90,6 @@ def _regime_fixture():
 
 
 def test_regime_table_and_figure(tmp_path):
-    from paper_figs import regime
-
     res = _regime_fixture()
     rows = regime.rows(res)
     assert [r["best_top_r"] for r in rows] == ["top-2"] * 3 and rows[0]["de_speedup"] == 1.25

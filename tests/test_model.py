@@ -5,7 +5,9 @@ import pytest
 import torch
 from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
 
-from draftexpert.runtime.model import KVCache, ModelConfig, from_hf_model, route
+from draftexpert.runtime.experts import HostStore
+from draftexpert.runtime.model import KVCache, ModelConfig, MoEModel, from_hf_model, route, router_scores
+from draftexpert.speculation.drafters import DraftExperts, draftexpert, top_r
 
 COMMON = dict(vocab_size=300, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
               first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=16,
@@ -17,7 +19,8 @@ CASES = {
     "v2": lambda: DeepseekV2ForCausalLM(DeepseekV2Config(**COMMON, topk_method="greedy")),
     "v2-yarn-qlora": lambda: DeepseekV2ForCausalLM(DeepseekV2Config(**{**COMMON, "q_lora_rank": 24},
                                                                     max_position_embeddings=2048, rope_scaling=YARN)),
-    "v3-bias": lambda: DeepseekV3ForCausalLM(DeepseekV3Config(**COMMON, norm_topk_prob=True, routed_scaling_factor=2.5)),
+    "v3-bias": lambda: DeepseekV3ForCausalLM(DeepseekV3Config(**COMMON, norm_topk_prob=True,
+                                                              routed_scaling_factor=2.5)),
     # group-limited: 4 groups of 4 experts, each token's top-4 from its best 2 groups
     "v3-groups": lambda: DeepseekV3ForCausalLM(DeepseekV3Config(**{**COMMON, "n_group": 4, "topk_group": 2},
                                                                 norm_topk_prob=True, routed_scaling_factor=2.5)),
@@ -81,15 +84,14 @@ def test_route_top_r():
     w, idx = route(logits, cfg3, 3, bias)
     assert (idx == 7).any(-1).all()
     assert torch.allclose(w.sum(-1), torch.full((5,), 2.5))  # ... but weights are un-biased, normalised, scaled
-    assert torch.allclose(w, logits.sigmoid().gather(-1, idx) / logits.sigmoid().gather(-1, idx).sum(-1, keepdim=True) * 2.5)
+    chosen = logits.sigmoid().gather(-1, idx)
+    assert torch.allclose(w, chosen / chosen.sum(-1, keepdim=True) * 2.5)
 
 
 def test_group_limited_routing_changes_the_choice():
     """The group step of `router_scores` is live (the v3-groups case above would pass without it
     otherwise): on random router logits some tokens' top-4 differ with and without it, and every
     chosen expert lies in one of the token's best 2 groups."""
-    from draftexpert.runtime.model import router_scores
-
     cfg = ModelConfig.from_hf(DeepseekV3Config(**{**COMMON, "n_group": 4, "topk_group": 2}, norm_topk_prob=True))
     flat = ModelConfig.from_hf(DeepseekV3Config(**COMMON, norm_topk_prob=True))
     logits = torch.randn(64, 16, generator=torch.Generator().manual_seed(5))
@@ -115,9 +117,6 @@ def test_unsupported_routing_is_refused():
 
 def _host_model(hf):
     """The lean model over a HostStore: the compiled step fetches through the store (in its op)."""
-    from draftexpert.runtime.experts import HostStore
-    from draftexpert.runtime.model import MoEModel
-
     sd = {k: v.detach() for k, v in hf.state_dict().items()}
     moe = [i for i in range(hf.config.num_hidden_layers) if f"model.layers.{i}.mlp.experts.gate_up_proj" in sd]
     return MoEModel(hf.config, sd, HostStore({i: sd[f"model.layers.{i}.mlp.experts.gate_up_proj"] for i in moe},
@@ -130,8 +129,6 @@ def test_compiled_decode_step_matches_eager(case, store):
     """compile_decode(): the one-token step through torch.compile (one graph; resident experts indexed
     in it, host experts through the store in the op) gives the eager step's logits (1e-4), experts, loads and greedy
     tokens, also on draft paths (top-2, DraftExpert) and after a crop (speculation's pattern)."""
-    from draftexpert.speculation.drafters import DraftExperts, draftexpert, top_r
-
     torch.manual_seed(0)
     hf = CASES[case]().eval()
     make = from_hf_model if store == "resident" else _host_model

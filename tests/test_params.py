@@ -3,9 +3,15 @@ import json
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
+from typer.testing import CliRunner
 
 from bench import registry
-from draftexpert.runtime.params import breakdown
+from bench.cli import app
+from draftexpert.runtime import params
+from draftexpert.runtime.loader import build_model
+from draftexpert.runtime.params import _cgroup_room, breakdown
+from draftexpert.speculation.drafters import make_draft_path
+from tests.conftest import run_bench
 
 GIB = 1 << 30
 
@@ -42,8 +48,6 @@ def test_q4_0_is_4_5_bits_per_matrix_weight():
 
 
 def test_cli_params_json():
-    from tests.conftest import run_bench
-
     p = run_bench("params", "--model", "ds", "--json")
     assert p.returncode == 0, p.stderr
     s = json.loads(p.stdout)
@@ -51,10 +55,6 @@ def test_cli_params_json():
 
 
 def test_the_memory_plan_and_the_refusal_before_loading():
-    import pytest
-
-    from draftexpert.runtime import params
-
     ds = registry.config_facts("ds")
     gib = 1 << 30
     cg = params.plan(ds, "cg", cuda=True)  # fp32 compute; the pool stays in the checkpoint's bf16
@@ -78,28 +78,23 @@ def test_the_memory_plan_and_the_refusal_before_loading():
 
 
 def test_bench_plan_reads_the_config_alone_and_exits_1_when_it_does_not_fit():
-    from typer.testing import CliRunner
-
-    from bench.cli import app
-
     r = CliRunner().invoke(app, ["plan", "--model", "ds", "--platform", "mn", "--method", "ar", "--host-mem", "24GiB",
                                  "--json"])
     p = json.loads(r.output)
     assert r.exit_code == 0 and p["fits"] and p["host_available"] == 24 << 30 and p["storage"] > 0
     # the paper's CG host (64 GB, a 24 GB GPU) holds the exact-size bf16 pool; a 24 GiB host does not
-    r = CliRunner().invoke(app, ["plan", "--model", "ds", "--platform", "cg", "--host-mem", "64GiB", "--gpu-mem", "24GiB",
-                                 "--json"])
+    r = CliRunner().invoke(app, ["plan", "--model", "ds", "--platform", "cg", "--host-mem", "64GiB", "--gpu-mem",
+                                 "24GiB", "--json"])
     p = json.loads(r.output[r.output.index("{"):])
     assert r.exit_code == 0 and p["fits"] and p["host_pinned"] <= 30 << 30
-    r = CliRunner().invoke(app, ["plan", "--model", "ds", "--platform", "cg", "--host-mem", "24GiB", "--gpu-mem", "24GiB"])
+    r = CliRunner().invoke(app, ["plan", "--model", "ds", "--platform", "cg", "--host-mem", "24GiB", "--gpu-mem",
+                                 "24GiB"])
     assert r.exit_code == 1 and "does not fit" in r.output and "24.0 GiB is available" in r.output
     r = CliRunner().invoke(app, ["plan", "--model", "ds", "--host-mem", "lots"])
     assert r.exit_code == 2 and "--host-mem" in r.output
 
 
 def test_a_round_that_would_not_fit_gets_a_working_set_bound_that_does():
-    from draftexpert.runtime import params
-
     ds, gib = registry.config_facts("ds"), 1 << 30
     spec = params.plan(ds, "mn", cuda=False, expert_type="q4_0", positions=5)  # DS, K_max 4, every position new
     assert spec["host"] > 18 * gib and params.working_set_bound(spec, 64 * gib, None) == 0  # fits: no bound
@@ -113,8 +108,6 @@ def test_a_round_that_would_not_fit_gets_a_working_set_bound_that_does():
 
 def test_a_memory_cgroup_limit_is_what_is_available(tmp_path):
     """In a container or a capped group, the plan is checked against the group's room, not the machine's."""
-    from draftexpert.runtime.params import _cgroup_room
-
     gib = 1 << 30
     v1 = tmp_path / "v1" / "memory" / "job"
     v1.mkdir(parents=True)
@@ -138,12 +131,6 @@ def test_the_plan_counts_the_draftexpert_drafters_own_shared_mlp(tiny_checkpoint
     """DraftExpert's drafter fuses its draft expert into a copy of the shared MLP (per MoE layer):
     the plan counts those bytes — DS-V2-Lite's zero draft expert: 2.5 GiB in fp32, what the
     full-scale OOM row measured outside the plan — and exactly what `make_draft_path` holds."""
-    import torch
-
-    from draftexpert.runtime import params
-    from draftexpert.runtime.loader import build_model
-    from draftexpert.speculation.drafters import make_draft_path
-
     ds, gib = registry.config_facts("ds"), 1 << 30
     spec = params.plan(ds, "mn", cuda=False, positions=5, draft_intermediate=ds["moe_intermediate_size"])
     assert spec["draft_weights"] == 26 * 3 * 2048 * (2 * 1408 + 1408) * 4 and 2.5 < spec["draft_weights"] / gib < 2.6

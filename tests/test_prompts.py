@@ -1,8 +1,9 @@
+import hashlib
 import json
 
 import pytest
 
-from bench import prompts
+from bench import prompts, sources
 from bench.sources import SourceError
 from tests.conftest import run_bench
 
@@ -66,16 +67,13 @@ def test_unknown_suite_is_refused():
 def test_archives_come_through_pips_configured_index(tmp_path, monkeypatch):
     """A mirror configured for pip (here PIP_INDEX_URL, a local PEP 503 index) is where an archive
     is fetched from; nothing names a registry of its own."""
-    import hashlib
-
-    from bench import sources
-
     payload = b"not really a wheel"
     (tmp_path / "files").mkdir()
     (tmp_path / "files" / "demo-1.0-py3-none-any.whl").write_bytes(payload)
     (tmp_path / "simple" / "demo").mkdir(parents=True)
     (tmp_path / "simple" / "demo" / "index.html").write_text(
-        '<html><body><a href="../../files/demo-1.0-py3-none-any.whl#sha256=00">demo-1.0-py3-none-any.whl</a></body></html>')
+        '<html><body><a href="../../files/demo-1.0-py3-none-any.whl#sha256=00">demo-1.0-py3-none-any.whl</a>'
+        '</body></html>')
     monkeypatch.setenv("PIP_INDEX_URL", (tmp_path / "simple").as_uri())
     monkeypatch.setenv("PIP_EXTRA_INDEX_URL", "")
     monkeypatch.setenv("PIP_CONFIG_FILE", "/dev/null")

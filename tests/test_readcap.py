@@ -5,6 +5,9 @@ the controller or the permission are refused with a clear error."""
 import contextlib
 import mmap
 import os
+import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -75,10 +78,6 @@ def test_the_cap_throttles_real_reads(tmp_path):
 def test_without_permission_the_cap_is_refused_not_ignored():
     """An unprivileged user gets ReadCapError naming root (the throttle needs it), never an
     uncapped run that claims a cap."""
-    import shutil
-    import subprocess
-    import sys
-
     if os.geteuid() != 0 or shutil.which("setpriv") is None:
         pytest.skip("needs root and setpriv to try as an unprivileged user")
     as_nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c"]
@@ -86,7 +85,8 @@ def test_without_permission_the_cap_is_refused_not_ignored():
     if probe.returncode != 0:  # e.g. a checkout in a 0700 temporary folder: the user cannot even start
         pytest.skip(f"an unprivileged user cannot run this checkout here: {probe.stderr.strip()[-200:]}")
     code = ("from pathlib import Path\nfrom bench.readcap import ReadCap, ReadCapError\n"
-            "try:\n    ReadCap(10**6, Path('bench')).__enter__()\nexcept ReadCapError as e:\n    print('refused:', e)\n")
+            "try:\n    ReadCap(10**6, Path('bench')).__enter__()\n"
+            "except ReadCapError as e:\n    print('refused:', e)\n")
     p = subprocess.run(as_nobody + [code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr
     assert p.stdout.startswith("refused:") and ("root" in p.stdout or "blkio" in p.stdout), p.stdout

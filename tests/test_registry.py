@@ -1,4 +1,5 @@
 import json
+from pathlib import Path
 
 import pytest
 
@@ -18,7 +19,7 @@ def empty_env(tmp_path, monkeypatch):
 
 
 @pytest.fixture
-def ds_shaped(tmp_path) -> "Path":
+def ds_shaped(tmp_path) -> Path:
     """A folder whose config.json is DeepSeek-V2-Lite's (no weights: resolution reads the config only)."""
     folder = tmp_path / "ds-config"
     folder.mkdir()
@@ -65,7 +66,8 @@ def test_a_checkpoint_must_be_the_model_named(empty_env, tiny_checkpoint, ds_sha
 
 def test_cli_wrong_or_missing_model_path_exits_nonzero_and_writes_nothing(empty_env, tmp_path):
     out = tmp_path / "run"
-    for path, words in [(tmp_path / "nonexistent", "does not exist"), (registry.EMBEDDED_DIR / "ml-tiny", "not 'ds-tiny'")]:
+    for path, words in [(tmp_path / "nonexistent", "does not exist"),
+                        (registry.EMBEDDED_DIR / "ml-tiny", "not 'ds-tiny'")]:
         p = run_bench("run", "--model", "ds-tiny", "--model-path", str(path), "--suite", "gsm8k", "--limit", "1",
                       "--out", str(out), env=empty_env)
         assert p.returncode == 2 and words in p.stderr and "Traceback" not in p.stderr, p.stderr

@@ -26,7 +26,8 @@ def test_sigkill_mid_write_leaves_no_torn_record_and_resumes(tmp_path):
     torn = False
     for attempt in range(12):  # kill at different moments until one kill tears a line
         proc = subprocess.Popen([sys.executable, "-c", WRITER, str(run), "0"])
-        path, size0 = run / "records.jsonl", (run / "records.jsonl").stat().st_size if (run / "records.jsonl").exists() else 0
+        path = run / "records.jsonl"
+        size0 = path.stat().st_size if path.exists() else 0
         deadline = time.time() + 60
         while time.time() < deadline and (not path.exists() or path.stat().st_size <= size0):
             time.sleep(0.005)

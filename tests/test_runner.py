@@ -1,12 +1,19 @@
 """`bench run` end to end on a tiny random checkpoint: records, manifest, resume after SIGKILL."""
 import json
+import os
 import signal
 import subprocess
 import time
 from pathlib import Path
 
+import gguf
+import torch
+
 from bench.results import read_records
+from draftexpert.engines.reference import ReferenceDecoder
+from draftexpert.runtime.checkpoint import load_target
 from draftexpert.runtime.experts import STAGING
+from draftexpert.runtime.gguf_experts import ExpertFile
 from tests.conftest import BENCH, REPO, run_bench
 
 
@@ -46,10 +53,8 @@ def test_run_writes_records_and_manifest_then_skips_done(tiny_checkpoint, tmp_pa
 
 def test_sweep_killed_mid_run_resumes_without_redoing_cells(tiny_checkpoint, tmp_path):
     out = tmp_path / "run"
-    import os
-
-    proc = subprocess.Popen([*BENCH, *_run_args(tiny_checkpoint, out, limit=30)], cwd=REPO, env=os.environ | _env(tmp_path),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen([*BENCH, *_run_args(tiny_checkpoint, out, limit=30)], cwd=REPO,
+                            env=os.environ | _env(tmp_path), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 120
     while time.time() < deadline:
         if (out / "records.jsonl").exists() and len(read_records(out / "records.jsonl")) >= 3:
@@ -72,7 +77,8 @@ def test_sweep_killed_mid_run_resumes_without_redoing_cells(tiny_checkpoint, tmp
 
 def test_ar_offload_records_equal_reference_records_token_for_token(tiny_checkpoint, tmp_path):
     for method in ("ar", "reference"):
-        p = run_bench(*_run_args(tiny_checkpoint, tmp_path / method, limit=3, method=method, tokens=24), env=_env(tmp_path))
+        p = run_bench(*_run_args(tiny_checkpoint, tmp_path / method, limit=3, method=method, tokens=24),
+                      env=_env(tmp_path))
         assert p.returncode == 0, p.stderr
     ar, ref = (read_records(tmp_path / m / "records.jsonl") for m in ("ar", "reference"))
     assert [r["prompt_id"] for r in ar] == [r["prompt_id"] for r in ref]
@@ -98,11 +104,6 @@ def test_speculative_runs_emit_ar_tokens_and_ledger_per_prompt(tiny_checkpoint, 
 
 
 def test_reference_decoder_equals_transformers_generate(tiny_checkpoint):
-    import torch
-
-    from draftexpert.runtime.checkpoint import load_target
-    from draftexpert.engines.reference import ReferenceDecoder
-
     model, tok = load_target(tiny_checkpoint)
     ids = tok("the model routes each token")["input_ids"]
     out = ReferenceDecoder(model).generate(ids, 12)
@@ -130,10 +131,6 @@ def test_bad_method_and_suite_name_the_flag(tiny_checkpoint):
 def test_convert_writes_a_readable_expert_file_once(tiny_checkpoint, tmp_path):
     """The expert file (flash store) and the llama.cpp head over it (split 1; split 2 links the
     expert file), written once and reused."""
-    import gguf
-
-    from draftexpert.runtime.gguf_experts import ExpertFile
-
     p = run_bench("convert", "--model", "ds-tiny", "--model-path", str(tiny_checkpoint), "--type", "bf16", "--json",
                   env=_env(tmp_path))
     assert p.returncode == 0, p.stderr
@@ -165,8 +162,6 @@ def test_compare_on_cg_measures_the_resident_bound_on_the_same_accelerator(tiny_
                   "--method", "ar", "--method", "ar-resident", "--suite", "gsm8k", "--limit", "1",
                   "--max-new-tokens", "6", "--out", str(tmp_path / "cmp"), "--json", env=_env(tmp_path))
     assert p.returncode == 0, p.stderr
-    from bench.results import read_records
-
     recs = {label: read_records(tmp_path / "cmp" / label / "records.jsonl") for label in ("ar", "ar-resident")}
     resident = recs["ar-resident"][0]
     assert resident["platform"] == "resident" and resident["method_args"]["device"] == "cpu"
@@ -176,4 +171,5 @@ def test_compare_on_cg_measures_the_resident_bound_on_the_same_accelerator(tiny_
     res = json.loads(p.stdout)
     machine = json.loads((tmp_path / "cmp" / "ar" / "manifest.json").read_text())["machine"]
     assert res["limit_read_bw"] == machine["copy_in"]["cpu_gb_per_s"] * 1e9
-    assert res["methods"]["ar"]["physical_limit_tps"] > 0 and res["methods"]["ar-resident"]["physical_limit_tps"] is None
+    assert res["methods"]["ar"]["physical_limit_tps"] > 0
+    assert res["methods"]["ar-resident"]["physical_limit_tps"] is None

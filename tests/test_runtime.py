@@ -4,15 +4,37 @@ import os
 import shutil
 from pathlib import Path
 
+import gguf
+import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
 from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
 
 from baselines.ar import AROffloadDecoder
-from draftexpert.engines.torch_engine import TorchEngine
-from draftexpert.runtime.gguf_experts import ExpertFile, ExpertFileError
-from draftexpert.runtime.loader import CheckpointError, build_model, convert_experts
+from bench.cell import Cell
+from bench.decoders import make_decoder
+from draftexpert.engines.llamacpp import ExpertPages
+from draftexpert.engines.torch_engine import TorchEngine, layer_experts
+from draftexpert.runtime import gguf_experts
+from draftexpert.runtime.checkpoint import write_dense_counterpart
+from draftexpert.runtime.ggml_kernel import KernelError, expert_mlp, q4_0_linear, quantize_q4_0, resolve_kernel
+from draftexpert.runtime.gguf_experts import ExpertFile, ExpertFileError, decode
+from draftexpert.runtime.ledger import Ledger
+from draftexpert.runtime.loader import (
+    Checkpoint,
+    CheckpointError,
+    build_model,
+    convert_experts,
+    fill_host_pool,
+    load_config,
+    pool_dtype,
+    routed_experts,
+)
 from draftexpert.runtime.model import KVCache
+from draftexpert.speculation.drafters import make_draft_path
+from draftexpert.speculation.round import SpecConfig, SpeculativeDecoder
 
 REPO = Path(__file__).resolve().parents[1]
 COMMON = dict(vocab_size=300, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
@@ -24,8 +46,6 @@ COMMON = dict(vocab_size=300, hidden_size=64, intermediate_size=128, moe_interme
 @pytest.fixture(scope="module")
 def disk(tmp_path_factory):
     """A folder on a file system that takes O_DIRECT (tmpfs does not): the repo's work/ if /tmp refuses."""
-    import os
-
     d = tmp_path_factory.mktemp("odirect")
     probe = d / "probe"
     probe.write_bytes(b"\0" * 4096)
@@ -55,7 +75,8 @@ def checkpoint(request, disk):
     return model, folder, convert_experts(folder, disk / f"{request.param}-f32.gguf", "f32")
 
 
-PROMPTS = [torch.randint(0, 300, (n,), generator=torch.Generator().manual_seed(n)) for n in (3, 7, 12, 2, 5, 9, 16, 4, 11, 20)]
+PROMPTS = [torch.randint(0, 300, (n,), generator=torch.Generator().manual_seed(n))
+           for n in (3, 7, 12, 2, 5, 9, 16, 4, 11, 20)]
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +86,8 @@ def reference(checkpoint):
     out = []
     with torch.no_grad():
         for ids in PROMPTS:
-            out.append((hf(ids[None]).logits[0], hf.generate(ids[None], max_new_tokens=64, do_sample=False)[0, len(ids):].tolist()))
+            out.append((hf(ids[None]).logits[0],
+                        hf.generate(ids[None], max_new_tokens=64, do_sample=False)[0, len(ids):].tolist()))
     return out
 
 
@@ -106,10 +128,6 @@ def test_demand_staging_reads_every_expert_whole_and_leaves_nothing_cached(check
     """Default flash staging: a step's experts are all requested before any is waited for, each read
     whole (its two ranges), and after every AR step and every round no page of the file is cached
     (the cold setting: the next load reads the disk); prefetches no forward used leave with the round."""
-    from draftexpert.engines.llamacpp import ExpertPages
-    from draftexpert.speculation.drafters import make_draft_path
-    from draftexpert.speculation.round import SpecConfig, SpeculativeDecoder
-
     _, folder, gguf = checkpoint
     lean = build_model(folder, "flash", gguf_path=gguf)
     pages, events = ExpertPages(gguf), []
@@ -168,12 +186,6 @@ def test_quantised_store_equals_model_with_dequantised_experts(checkpoint, disk)
 def test_q4_0_dequantisers_agree_with_the_gguf_reference():
     """ggml's dequantize_row_q4_0 (the store's fast path) and the torch fallback both equal the gguf
     package's reference dequantisation, bit for bit, on random blocks (random scales included)."""
-    import gguf
-    import numpy as np
-
-    from draftexpert.runtime import gguf_experts
-    from draftexpert.runtime.gguf_experts import decode
-
     rows, cols = 64, 256
     rng = np.random.default_rng(0)
     blocks = rng.integers(0, 256, (rows, cols // 32, 18), dtype=np.uint8)
@@ -219,8 +231,6 @@ def test_bad_checkpoints_are_refused_clearly(checkpoint, disk):
 
 
 def test_odirect_refusal_is_explained(checkpoint, monkeypatch):
-    import os
-
     _, _, gguf = checkpoint
     real_open = os.open
 
@@ -271,22 +281,19 @@ def test_prefetch_then_fetch_never_deadlocks(checkpoint):
 def test_the_host_pool_is_one_exact_buffer_filled_from_the_shards(checkpoint, tmp_path):
     """cg's host pool: one buffer of exactly the routed experts' bytes, in the checkpoint's dtype, filled
     expert by expert (per-expert tensors) or layer by layer (fused gate_up_proj) — the same numbers."""
-    from safetensors.torch import save_file
-
-    from draftexpert.runtime.loader import Checkpoint, fill_host_pool, load_config, pool_dtype, routed_experts
-
     _, folder, _ = checkpoint
     ckpt, cfg = Checkpoint(folder), load_config(folder)
     layers = range(cfg.first_k_dense_replace, cfg.num_hidden_layers)
     stored = ckpt.dtype(f"model.layers.{layers[0]}.mlp.experts.0.gate_proj.weight")
     assert pool_dtype(ckpt, cfg, torch.float32) == stored and pool_dtype(ckpt, cfg, torch.bfloat16) == torch.bfloat16
     pool = fill_host_pool(ckpt, cfg, stored)
-    E, H, I = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
-    assert pool.nbytes == len(layers) * E * 3 * H * I * stored.itemsize  # exact: no rounding, no padding
+    E, H, inter = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    assert pool.nbytes == len(layers) * E * 3 * H * inter * stored.itemsize  # exact: no rounding, no padding
     expected = {layer: (gu, dn) for layer, gu, dn in routed_experts(ckpt, cfg)}
     for layer in layers:
         assert pool.gate_up[layer].data_ptr() >= pool.flat.data_ptr()  # views of the one buffer
-        assert torch.equal(pool.gate_up[layer], expected[layer][0]) and torch.equal(pool.down[layer], expected[layer][1])
+        assert torch.equal(pool.gate_up[layer], expected[layer][0])
+        assert torch.equal(pool.down[layer], expected[layer][1])
     fused = {k: ckpt.get(k) for k in ckpt.keys() if ".mlp.experts." not in k}
     for layer in layers:
         fused[f"model.layers.{layer}.mlp.experts.gate_up_proj"] = expected[layer][0].contiguous()
@@ -304,9 +311,6 @@ def test_the_host_pool_is_one_exact_buffer_filled_from_the_shards(checkpoint, tm
 def test_bf16_compute_is_the_same_model_on_every_store(tiny_checkpoint):
     """--dtype bf16: the host pool keeps the checkpoint's dtype and converts on the accelerator after the
     copy, so cg's AR is the resident model's AR in bf16, token for token."""
-    from bench.cell import Cell
-    from bench.decoders import make_decoder
-
     ids = [1, 5, 9, 13, 17, 21, 25]
     out = {}
     for platform, dtype in (("cg", "bf16"), ("resident", "bf16"), ("resident", "fp32")):
@@ -321,8 +325,6 @@ def test_bf16_compute_is_the_same_model_on_every_store(tiny_checkpoint):
 def test_a_block_forward_reads_back_once_per_moe_layer(checkpoint, monkeypatch):
     """Host syncs on the hot path: a multi-token forward reads the routing back once per MoE layer (what
     to fetch), never per expert; the engine's expert sets once per call, for all layers."""
-    from draftexpert.engines.torch_engine import layer_experts
-
     _, folder, _ = checkpoint
     model = build_model(folder, "host")
     calls = {"tolist": 0, "nonzero": 0, "item": 0}
@@ -347,9 +349,6 @@ def test_a_block_forward_reads_back_once_per_moe_layer(checkpoint, monkeypatch):
 def test_a_bounded_working_set_stays_exact_and_within_its_bytes(checkpoint, store):
     """--working-set: a round keeps at most that many bytes of experts on the accelerator (the least
     recently used dropped, reloaded on demand; prefetch holds back) — the same tokens, more loads."""
-    from draftexpert.speculation.drafters import make_draft_path
-    from draftexpert.speculation.round import SpecConfig, SpeculativeDecoder
-
     _, folder, gguf = checkpoint
     conf = SpecConfig(k_max=4, truncate=False, prefetch=True)
     runs = {}
@@ -369,8 +368,6 @@ def test_a_bounded_working_set_stays_exact_and_within_its_bytes(checkpoint, stor
 def test_the_ledger_times_gpu_waits_with_their_events():
     """On CUDA the compute stream waits on a copy's event (the host does not block): the ledger adds
     done − needed of each wait (never negative) to the forward's and the layer's stall when it ends."""
-    from draftexpert.runtime.ledger import Ledger
-
     class Event:  # the two methods of torch.cuda.Event the ledger uses, with a clock in ms
         def __init__(self, t):
             self.t = t
@@ -394,8 +391,6 @@ def test_the_dense_counterpart_moves_an_ar_steps_bytes_for_any_block(checkpoint,
     """Fig. 4's dense half: each MoE layer's routed experts become one FFN of the active routed
     width, offloaded through the same store — a one-token forward moves what the MoE's moves, and
     a block of L tokens moves no more (the MoE's union grows)."""
-    from draftexpert.runtime.checkpoint import write_dense_counterpart
-
     folder = checkpoint[1]
     moe, dense = build_model(folder, "host"), build_model(write_dense_counterpart(folder, tmp_path / "dense"), "host")
     k, moe_layers = COMMON["num_experts_per_tok"], COMMON["num_hidden_layers"] - COMMON["first_k_dense_replace"]
@@ -450,9 +445,6 @@ def test_a_bounded_round_counts_its_loads_in_flight(checkpoint, store):
     """With a working-set bound, what a round holds — finished experts and the loads in flight,
     prefetches and a verify layer's demand loads alike — stays within it plus one layer's demand
     loads (the store drops the round's older experts to make room for them before they start)."""
-    from draftexpert.speculation.drafters import make_draft_path
-    from draftexpert.speculation.round import SpecConfig, SpeculativeDecoder
-
     _, folder, gguf = checkpoint
     model = build_model(folder, store, gguf_path=gguf, dtype=torch.float64)
     s = model.experts
@@ -478,12 +470,8 @@ def test_a_bounded_round_counts_its_loads_in_flight(checkpoint, store):
     assert s.peak_block_bytes <= s.working_set_bytes
 
 
-def _q4_0_expert(H: int, I: int, seed: int = 0):
+def _q4_0_expert(H: int, inter: int, seed: int = 0):
     """A random Q4_0 expert as the ggml kernel takes it (uint8 rows of blocks) and dequantised (fp32)."""
-    import numpy as np
-
-    from draftexpert.runtime.gguf_experts import decode
-
     rng = np.random.default_rng(seed)
 
     def matrix(rows, cols):
@@ -492,21 +480,18 @@ def _q4_0_expert(H: int, I: int, seed: int = 0):
         raw[:, :2] = np.frombuffer(np.float16(rng.standard_normal(nb) * 0.05).tobytes(), np.uint8).reshape(nb, 2)
         raw[:, 2:] = rng.integers(0, 256, (nb, 16))
         raw = raw.reshape(rows, cols // 32 * 18)
-        return torch.from_numpy(raw), decode(bytearray(raw.tobytes()), 0, raw.size, "q4_0", (rows, cols), "cpu", torch.float32)
+        return torch.from_numpy(raw), decode(bytearray(raw.tobytes()), 0, raw.size, "q4_0", (rows, cols), "cpu",
+                                             torch.float32)
 
-    (gu, gu_f), (dn, dn_f) = matrix(2 * I, H), matrix(H, I)
+    (gu, gu_f), (dn, dn_f) = matrix(2 * inter, H), matrix(H, inter)
     return gu, dn, gu_f, dn_f
 
 
 def test_ggml_expert_kernel_is_row_invariant_and_close_to_the_dequantised_mlp():
     """Each output row is what that row alone gives (one row or a block, one thread or several: verify =
     one-token steps), and within Q8_0 activation rounding of the fp32 MLP of the dequantised weights."""
-    import torch.nn.functional as F
-
-    from draftexpert.runtime.ggml_kernel import expert_mlp
-
-    H, I = 64, 32
-    gu, dn, gu_f, dn_f = _q4_0_expert(H, I)
+    H, inter = 64, 32
+    gu, dn, gu_f, dn_f = _q4_0_expert(H, inter)
     x = torch.randn(40, H, generator=torch.Generator().manual_seed(0))
     y = expert_mlp(x, gu, dn)
     assert torch.equal(torch.cat([expert_mlp(x[i:i + 1], gu, dn) for i in range(40)]), y)
@@ -522,8 +507,6 @@ def test_q4_0_linear_is_row_invariant_and_close_to_the_float_matmul():
     """`--head-type q4_0`'s matmul: a float matrix quantised (gguf's quantiser) and multiplied on its
     blocks gives each row what that row alone gives, near the float product; a row length that is
     not whole blocks is refused."""
-    from draftexpert.runtime.ggml_kernel import KernelError, q4_0_linear, quantize_q4_0
-
     g = torch.Generator().manual_seed(0)
     w, x = torch.randn(80, 64, generator=g), torch.randn(12, 64, generator=g)
     q = quantize_q4_0(w)
@@ -539,8 +522,6 @@ def test_q4_0_linear_is_row_invariant_and_close_to_the_float_matmul():
 
 def test_ggml_expert_kernel_refusals():
     """No backward (distillation keeps the dequantising kernel), Q4_0 on a CPU only."""
-    from draftexpert.runtime.ggml_kernel import KernelError, expert_mlp, resolve_kernel
-
     gu, dn, _, _ = _q4_0_expert(64, 32)
     with pytest.raises(KernelError, match="no backward"):
         expert_mlp(torch.randn(1, 64, requires_grad=True), gu, dn)

@@ -3,19 +3,23 @@ store, K_max, controller and prefetch setting (float64, so a multi-token verify 
 steps cannot round apart); the speculative sampler's token distribution is the target's; the
 prefetch and unique-expert accounting add up and match a brute-force recount from transformers."""
 import math
+import os
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from torch._dynamo.utils import counters
 from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
 
 from baselines.ar import AROffloadDecoder
 from draftexpert.engines.torch_engine import TorchEngine
-from draftexpert.speculation.drafters import DraftExperts, draftexpert, top_r
+from draftexpert.runtime.ggml_kernel import KernelError
 from draftexpert.runtime.loader import build_model, convert_experts
 from draftexpert.runtime.model import KVCache, from_hf_model
+from draftexpert.speculation.drafters import DraftExperts, DraftPath, draftexpert, top_r
 from draftexpert.speculation.round import SpecConfig, SpeculativeDecoder
 
 # Weights large enough (initializer_range 0.3) that routed experts move the logits: a drafter that
@@ -33,7 +37,8 @@ def hf_model(version: str, **over):
     if version == "v2":
         m = DeepseekV2ForCausalLM(DeepseekV2Config(**{**COMMON, **over}, topk_method="greedy"))
     else:
-        m = DeepseekV3ForCausalLM(DeepseekV3Config(**{**COMMON, **over}, norm_topk_prob=True, routed_scaling_factor=2.5))
+        m = DeepseekV3ForCausalLM(DeepseekV3Config(**{**COMMON, **over}, norm_topk_prob=True,
+                                                   routed_scaling_factor=2.5))
         for layer in m.model.layers[1:]:
             layer.mlp.gate.e_score_correction_bias.normal_(0, 0.05)
     m.set_experts_implementation("eager")  # the grouped-mm kernel takes no float64
@@ -42,9 +47,6 @@ def hf_model(version: str, **over):
 
 @pytest.fixture(scope="module")
 def odirect_dir(tmp_path_factory):
-    import os
-    import shutil
-
     d = tmp_path_factory.mktemp("spec")
     probe = d / "probe"
     probe.write_bytes(b"\0" * 4096)
@@ -158,8 +160,6 @@ def test_zero_draft_expert_is_shared_top1(models):
 def test_drafter_keeps_the_targets_gate_weights(models):
     """shared + top-k as a 'drafter' (r = k) is the target itself; top-r runs the first r of the
     target's top-k with the target's weights (V3: normalised over the top-k set, not over r)."""
-    from draftexpert.speculation.drafters import DraftPath
-
     model = models[1]["resident"]
     ids = torch.tensor(prompt(4, 6))
     full = model.forward(ids, KVCache.for_model(model, 8))
@@ -181,7 +181,8 @@ def test_prefetch_and_unique_accounting(models, store, monkeypatch):
     fetched = []
     real_fetch = model.experts.fetch_iter  # `fetch` goes through it too
     monkeypatch.setattr(model.experts, "fetch_iter",
-                        lambda layer, es, phase="ar": fetched.append((phase, layer, list(es))) or real_fetch(layer, es, phase))
+                        lambda layer, es, phase="ar": fetched.append((phase, layer, list(es)))
+                        or real_fetch(layer, es, phase))
     trace = []
     ids = prompt(5, 12)
     dec = speculative(model, top_r(2, model.cfg.top_k), SpecConfig(k_max=4, tau=0.5, budget=4), trace=trace)
@@ -298,7 +299,8 @@ def ggml_models(request, odirect_dir):
     gguf = convert_experts(folder, odirect_dir / f"{request.param}-q4.gguf", "q4_0")
     out = {s: build_model(folder, s, dtype=torch.float64, gguf_path=gguf, kernel="ggml") for s in ("flash", "resident")}
     for s in ("flash", "resident"):  # --head-type q4_0: the MLPs and LM head on ggml's kernels too
-        out[f"{s}-q4head"] = build_model(folder, s, dtype=torch.float64, gguf_path=gguf, kernel="ggml", head_type="q4_0")
+        out[f"{s}-q4head"] = build_model(folder, s, dtype=torch.float64, gguf_path=gguf, kernel="ggml",
+                                         head_type="q4_0")
     out["folder"] = folder
     yield out
     out.pop("folder")
@@ -346,16 +348,12 @@ def test_q4_0_head_is_exact(ggml_models, name):
 
 
 def test_q4_0_head_refuses_compile(ggml_models):
-    from draftexpert.runtime.ggml_kernel import KernelError
-
     with pytest.raises(KernelError, match="--compile"):
         ggml_models["resident-q4head"].compile_decode()
 
 
 def test_ggml_expert_kernel_refuses_what_it_cannot_compute(ggml_models, odirect_dir):
     """Only Q4_0 experts (an f32 file is refused before loading)."""
-    from draftexpert.runtime.ggml_kernel import KernelError
-
     folder = ggml_models["folder"]
     f32 = convert_experts(folder, odirect_dir / f"{folder.name}-f32.gguf", "f32")
     with pytest.raises(KernelError, match="f32 experts"):
@@ -378,8 +376,6 @@ def test_compiled_step_with_the_ggml_kernel_is_exact(ggml_models, odirect_dir):
     assert speculative(compiled, drafter(compiled, "de-random"), cfg).generate(ids, 24).tokens == ref
     # a longer sequence needs a bigger cache (a new static shape): compiled when the engine starts, not
     # inside the decode's timing
-    from torch._dynamo.utils import counters
-
     ar = AROffloadDecoder(TorchEngine(compiled))
     long = prompt(1, 300)
     ar.engine.start(ar.positions(len(long), 8))

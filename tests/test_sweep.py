@@ -49,8 +49,6 @@ def test_a_grid_carries_the_head_type_to_its_torch_cells(tmp_path):
 
 
 def test_the_shipped_grids_parse():
-    from bench.grid import read_grid
-
     grids = sorted((Path(__file__).parents[1] / "bench" / "data" / "grids").glob("*.toml"))
     assert {g.stem for g in grids} >= {"example", "paper-cg", "paper-mn"}
     for g in grids:

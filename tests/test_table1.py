@@ -7,7 +7,8 @@ from paper_figs import table1
 
 MACHINE = {"machine_id": "abc", "os": "Linux", "cpu": {"model": "EPYC", "usable_cores": 2, "simd": ["avx2"]},
            "memory": {"total_gib": 23.5},
-           "storage": {"device": "/dev/vda", "fstype": "ext4", "rotational": False, "odirect_read": {"gb_per_s_median": 1.5}},
+           "storage": {"device": "/dev/vda", "fstype": "ext4", "rotational": False,
+                       "odirect_read": {"gb_per_s_median": 1.5}},
            "gpus": {"note": "none"}, "versions": {"torch": "2.13.0", "llama_cpp": "0.3.36"}}
 
 
@@ -26,7 +27,8 @@ def test_columns_group_runs_by_platform_and_keep_caps_and_bandwidth_ranges():
     cols = table1.columns(ms)
     assert list(cols) == ["cg · torch · checkpoint", "mn · torch · q4_0"]
     mn = cols["mn · torch · q4_0"]
-    assert mn["read cap"].startswith("uncapped; 16 MB/s") and "0.80–1.50 GB/s O_DIRECT over 2 runs" in mn["storage / link"]
+    assert mn["read cap"].startswith("uncapped; 16 MB/s")
+    assert "0.80–1.50 GB/s O_DIRECT over 2 runs" in mn["storage / link"]
     t = table1.table(cols)
     assert "| CG (paper) | MN (paper) |" in t.splitlines()[0] and "RTX 4090" in t and "Hexagon" in t
 

@@ -1,5 +1,6 @@
 """Embedded tiny models: tokenizer, balancing, resumable training, corpus decontamination, and
 (when committed) the trained folders themselves."""
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -7,12 +8,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from transformers import DeepseekV3Config
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer, DeepseekV3Config, DeepseekV3ForCausalLM
 
+import bench.tiny.train as tr
 from bench import prompts, registry
 from bench.tiny import corpus
 from bench.tiny.configs import TINY_CONFIGS
-from bench.tiny.tokenizer import CHAT_TEMPLATE, train_tokenizer
+from bench.tiny.evaluate import evaluate, repeated_ngram_share
+from bench.tiny.tokenizer import CHAT_TEMPLATE, prepare, train_tokenizer
 from bench.tiny.train import TrainConfig, balance_loss, train
 
 MODELS = registry.EMBEDDED_DIR
@@ -21,21 +25,19 @@ MODELS = registry.EMBEDDED_DIR
 def test_tokenizer_round_trip_and_chat_template(tmp_path):
     texts = ["def add(a, b):\n    return a + b\n", "The quick brown fox jumps over the lazy dog."] * 50
     tok = train_tokenizer(iter(texts), tmp_path, vocab_size=400)
-    from transformers import AutoTokenizer
-
     tok = AutoTokenizer.from_pretrained(tmp_path)
     for s in ["def add(a, b):\n    return a + b\n", "naïve café — ünïcödé ✓ 12345", "  leading spaces\ttabs\n\n"]:
         assert tok.decode(tok(s, add_special_tokens=False)["input_ids"]) == s
-    text = tok.apply_chat_template([{"role": "user", "content": "Hi there"}], add_generation_prompt=True, tokenize=False)
+    text = tok.apply_chat_template([{"role": "user", "content": "Hi there"}], add_generation_prompt=True,
+                                   tokenize=False)
     assert text == "<|bos|>User: Hi there\n\nAssistant:"
-    two = tok.apply_chat_template([{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}], tokenize=False)
+    two = tok.apply_chat_template([{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}],
+                                  tokenize=False)
     assert two == "<|bos|>User: Q\n\nAssistant: A<|eos|>"
     assert tok.chat_template == CHAT_TEMPLATE and tok.model_max_length == 2048
 
 
 def test_prepare_encodes_with_a_committed_tokenizer_instead_of_training_one(tmp_path):
-    from bench.tiny.tokenizer import prepare
-
     docs = ["def add(a, b):\n    return a + b\n", "The quick brown fox jumps over the lazy dog."] * 30
     train_tokenizer(iter(docs), tmp_path / "committed", vocab_size=300)
     corpus_dir, data_dir = tmp_path / "corpus", tmp_path / "data"
@@ -43,17 +45,14 @@ def test_prepare_encodes_with_a_committed_tokenizer_instead_of_training_one(tmp_
     for split in ("train", "val"):
         (corpus_dir / f"{split}.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs[:4]))
     prepare(corpus_dir, data_dir, log=lambda *_: None, tokenizer_dir=tmp_path / "committed")
-    from transformers import AutoTokenizer
-
-    committed, used = AutoTokenizer.from_pretrained(tmp_path / "committed"), AutoTokenizer.from_pretrained(data_dir / "tokenizer")
+    committed = AutoTokenizer.from_pretrained(tmp_path / "committed")
+    used = AutoTokenizer.from_pretrained(data_dir / "tokenizer")
     assert used.get_vocab() == committed.get_vocab()
     ids = np.fromfile(data_dir / "train.bin", dtype=np.uint16).tolist()
     assert ids[0] == committed.bos_token_id and committed.decode(ids[1:ids.index(committed.eos_token_id)]) == docs[0]
 
 
 def test_repeated_ngram_share_counts_repeats_of_earlier_ngrams():
-    from bench.tiny.evaluate import repeated_ngram_share
-
     assert repeated_ngram_share([1, 2, 3, 4, 5, 6, 7]) == 0.0
     assert repeated_ngram_share([1, 2, 3, 4, 1, 2, 3, 4]) == pytest.approx(1 / 5)  # (1,2,3,4) again, once
     assert repeated_ngram_share([9] * 10) == pytest.approx(6 / 7)  # a one-token loop: all but the first
@@ -94,10 +93,6 @@ def _v3_small() -> DeepseekV3Config:
 def test_evaluation_reports_what_the_routed_experts_carry():
     """V3 with normalised top-k weights: Σ top-k gate weights is the scaling factor on every token;
     routed : shared is the routed output's norm over the shared experts' (here measured by hand)."""
-    from transformers import DeepseekV3ForCausalLM
-
-    from bench.tiny.evaluate import evaluate
-
     torch.manual_seed(0)
     model = DeepseekV3ForCausalLM(_v3_small()).eval()
     data = np.random.default_rng(0).integers(3, 64, size=4 * 33 + 1).astype(np.uint16)
@@ -122,10 +117,6 @@ def test_training_resumes_exactly_and_updates_v3_bias(tmp_path):
     straight = train(cfg, data, tmp_path / "a", log=lambda m: None, model_config=_v3_small())
     # same run, "killed" after the step-3 checkpoint: keep state.pt from a 3-step run with the same schedule
     part = tmp_path / "b"
-    import dataclasses
-
-    import bench.tiny.train as tr
-
     class Stop(Exception):
         pass
 
@@ -143,8 +134,6 @@ def test_training_resumes_exactly_and_updates_v3_bias(tmp_path):
     finally:
         tr._atomic_save = orig
     resumed = train(cfg, data, part, log=lambda m: None, model_config=_v3_small())
-    from safetensors.torch import load_file
-
     a, b = load_file(straight / "model.safetensors"), load_file(resumed / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     bias = a["model.layers.1.mlp.gate.e_score_correction_bias"]
@@ -184,8 +173,6 @@ EMBEDDED = [n for n in ("ds-tiny", "ml-tiny") if (MODELS / n / "model.safetensor
 @pytest.mark.parametrize("name", EMBEDDED)
 def test_committed_model_loads_offline_with_the_spec_routing(name, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     folder = registry.resolve(name)
     assert folder == MODELS / name
     model = AutoModelForCausalLM.from_pretrained(folder)

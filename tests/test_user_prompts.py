@@ -3,14 +3,19 @@ from __future__ import annotations
 
 import json
 
+import pandas as pd
 import pytest
+from typer.testing import CliRunner
+
+from bench import prompts
+from bench.cell import Cell
+from bench.cli import app
+from bench.decoders import make_decoder
+from bench.results import read_records
+from bench.runner import run_cells
 
 
 def _cli(*args):
-    from typer.testing import CliRunner
-
-    from bench.cli import app
-
     return CliRunner().invoke(app, [str(a) for a in args])
 
 
@@ -21,7 +26,8 @@ def _run(ckpt, prompts, out, *extra):
 
 BAD = {
     "not-json.jsonl": ('{"category": "a", "prompt": "hello"}\nnot json at all\n', "not-json.jsonl:2: not JSON"),
-    "no-field.jsonl": ('{"category": "a", "prompt": "hello"}\n\n{"prompt": "b"}\n', "no-field.jsonl:3: missing field 'category'"),
+    "no-field.jsonl": ('{"category": "a", "prompt": "hello"}\n\n{"prompt": "b"}\n',
+                       "no-field.jsonl:3: missing field 'category'"),
     "empty.jsonl": ('{"category": "a", "prompt": "   "}\n', "empty.jsonl:1: empty prompt"),
     "not-object.jsonl": ('["a", "b"]\n', "not-object.jsonl:1: expected an object"),
     "number.jsonl": ('{"category": "a", "prompt": 7}\n', "number.jsonl:1: field 'prompt' must be text"),
@@ -49,8 +55,6 @@ def test_a_bad_prompt_file_names_the_line_and_leaves_nothing(tiny_checkpoint, tm
 
 
 def test_a_user_file_runs_in_every_format(tiny_checkpoint, tmp_path):
-    import pandas as pd
-
     rows = [{"category": "mine", "prompt": "the model routes each token"},
             {"id": "second", "category": "mine", "prompt": "six experts and the shared experts"}]
     (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -72,12 +76,6 @@ def test_a_user_file_runs_in_every_format(tiny_checkpoint, tmp_path):
 
 
 def test_prompt_suites_travel_as_datasets_and_run_the_same(tiny_checkpoint, tmp_path):
-    from bench import prompts
-    from bench.cell import Cell
-    from bench.decoders import make_decoder
-    from bench.results import read_records
-    from bench.runner import run_cells
-
     recs = prompts.load("gsm8k", limit=2)
     ds = prompts.as_dataset(recs)
     assert ds.column_names == list(prompts.COLUMNS) and ds[1]["prompt"] == recs[1]["prompt"]

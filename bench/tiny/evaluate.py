@@ -17,11 +17,15 @@ baseline of the same tokenizer, per-layer expert usage, and greedy continuations
 from __future__ import annotations
 
 import math
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from bench import prompts as suites
+from draftexpert.engines.reference import ReferenceDecoder
 
 
 def windows(data: np.ndarray, seq_len: int, limit: int | None) -> list[np.ndarray]:
@@ -30,7 +34,8 @@ def windows(data: np.ndarray, seq_len: int, limit: int | None) -> list[np.ndarra
     avail = (len(data) - 1) // seq_len
     n = min(avail, limit) if limit else avail
     stride = avail // n
-    return [np.asarray(data[i * stride * seq_len: i * stride * seq_len + seq_len + 1], dtype=np.int64) for i in range(n)]
+    return [np.asarray(data[i * stride * seq_len: i * stride * seq_len + seq_len + 1], dtype=np.int64)
+            for i in range(n)]
 
 
 def unigram_logprobs(train: np.ndarray, vocab: int) -> np.ndarray:
@@ -89,7 +94,8 @@ def evaluate(model, val: np.ndarray, train: np.ndarray, seq_len: int = 512, limi
         "usage_entropy": entropy.tolist(), "max_share_x_uniform": (share.max(1).values * n_experts).tolist(),
         "min_share_x_uniform": (share.min(1).values * n_experts).tolist(),
         "experts_used": (usage > 0).sum(1).tolist(), "usage_share": share.tolist(),
-        "routed_weight_sum": (weight_sum / n_tok).tolist(), "routed_to_shared_norm": (routed_norm / shared_norm).tolist(),
+        "routed_weight_sum": (weight_sum / n_tok).tolist(),
+        "routed_to_shared_norm": (routed_norm / shared_norm).tolist(),
     }
 
 
@@ -106,8 +112,6 @@ CONTINUATION_PROMPTS = [
 @torch.inference_mode()
 def continuations(model, tokenizer, max_new_tokens: int = 48) -> list[dict]:
     """Greedy continuations of chat (through the chat template), code and prose prompts."""
-    from draftexpert.engines.reference import ReferenceDecoder
-
     dec = ReferenceDecoder(model)
     out = []
     for kind, how, text in CONTINUATION_PROMPTS:
@@ -141,11 +145,6 @@ def repetition(model, tokenizer, max_new_tokens: int = 64, per_suite: int = REPE
     """Greedy AR continuations of the first `per_suite` prompts of every benchmark suite, through the
     chat template as the benchmarks render them: does the model follow its prompt or fall into one
     loop? (Acceptance measured on a loop is not the acceptance the paper measures.)"""
-    from collections import Counter
-
-    from bench import prompts as suites
-    from draftexpert.engines.reference import ReferenceDecoder
-
     dec = ReferenceDecoder(model)
     rows = []
     for p in suites.load(limit=per_suite):

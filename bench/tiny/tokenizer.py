@@ -6,10 +6,14 @@ which is also how dialogues are written into the training corpus (`corpus.CHAT_U
 """
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 VOCAB_SIZE = 4096
@@ -27,9 +31,6 @@ CHAT_TEMPLATE = (
 
 def train_tokenizer(texts: Iterator[str], out_dir: Path, vocab_size: int = VOCAB_SIZE):
     """Train the BPE on `texts` and save it (tokenizer.json + tokenizer_config.json) in `out_dir`."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -64,10 +65,6 @@ def prepare(corpus_dir: Path, data_dir: Path, log=print, tokenizer_dir: Path | N
     committed model's: what retraining that model must see), else in a BPE trained on the train split.
     BPE training is not reproducible run to run (the trainer breaks ties between equal pair counts in
     hash-map order), so a model's tokenizer is made once and then committed with its weights."""
-    import json
-
-    from transformers import AutoTokenizer
-
     def texts(split):
         with open(corpus_dir / f"{split}.jsonl", encoding="utf-8") as f:
             return [json.loads(line)["text"] for line in f]
@@ -92,11 +89,6 @@ def prepare(corpus_dir: Path, data_dir: Path, log=print, tokenizer_dir: Path | N
 def token_data_for(model_dir: Path, corpus_dir: Path, data_dir: Path, log=print) -> Path:
     """Token files of the corpus in `model_dir`'s tokenizer: `data_dir` when its tokenizer is the
     same file, else an encoding cached in `data_dir/by-tokenizer/<sha>/`."""
-    import hashlib
-    import json
-
-    from transformers import AutoTokenizer
-
     digest = hashlib.sha256((model_dir / "tokenizer.json").read_bytes()).hexdigest()[:16]
     own = data_dir / "tokenizer" / "tokenizer.json"
     if own.exists() and hashlib.sha256(own.read_bytes()).hexdigest()[:16] == digest and (data_dir / "val.bin").exists():

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -25,6 +26,9 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from bench.tiny.configs import TINY_CONFIGS, V3_KEYS_TO_KEEP
 
 
 @dataclass
@@ -152,10 +156,6 @@ def train(cfg: TrainConfig, data_dir: Path, out_dir: Path, log=print, model_conf
     """Train (or resume) `cfg.model` on `data_dir/{train,val}.bin`; returns the checkpoint folder
     `out_dir/final` in Hugging Face format. Progress: `out_dir/log.jsonl`; state: `out_dir/state.pt`.
     `model_config` replaces the registered shape (tests train a smaller one)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from bench.tiny.configs import TINY_CONFIGS, V3_KEYS_TO_KEEP
-
     torch.set_num_threads(cfg.threads)
     out_dir.mkdir(parents=True, exist_ok=True)
     state_path, log_path = out_dir / "state.pt", out_dir / "log.jsonl"
@@ -199,8 +199,9 @@ def train(cfg: TrainConfig, data_dir: Path, out_dir: Path, log=print, model_conf
             ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
             taps = tap.pop()
             if v3:  # sequence-wise: per sequence, then averaged
-                per_seq = [balance_loss(lg.view(cfg.batch_size, cfg.seq_len, -1)[b], ix.view(cfg.batch_size, cfg.seq_len, -1)[b],
-                                        n_experts, k, scoring) for lg, ix in taps for b in range(cfg.batch_size)]
+                per_seq = [balance_loss(lg.view(cfg.batch_size, cfg.seq_len, -1)[b],
+                                        ix.view(cfg.batch_size, cfg.seq_len, -1)[b], n_experts, k, scoring)
+                           for lg, ix in taps for b in range(cfg.batch_size)]
                 aux = cfg.seq_balance_alpha * torch.stack(per_seq).sum() / cfg.batch_size
             else:
                 aux = cfg.balance_alpha * sum(balance_loss(lg, ix, n_experts, k, scoring) for lg, ix in taps)
@@ -216,17 +217,19 @@ def train(cfg: TrainConfig, data_dir: Path, out_dir: Path, log=print, model_conf
                         router.e_score_correction_bias += cfg.bias_update_speed * torch.sign(c.mean() - c)
             step += 1
             tok_since += batch[:, 1:].numel()
-            rec = {"step": step, "loss": loss.item(), "ce": ce.item(), "aux": float(aux.detach()), "lr": lr_at(step - 1, cfg),
-                   "grad_norm": gnorm.item()}
+            rec = {"step": step, "loss": loss.item(), "ce": ce.item(), "aux": float(aux.detach()),
+                   "lr": lr_at(step - 1, cfg), "grad_norm": gnorm.item()}
             if step % cfg.eval_every == 0 or step == cfg.steps:
                 rec.update(evaluate(model, tap, windows, n_experts, cfg.bf16))
             if step % 10 == 0 or "val_loss" in rec:
                 now = time.time()
                 rec["tokens_per_s"] = tok_since / (now - t_last)
                 t_last, tok_since = now, 0
-                msg = f"{cfg.model} step {step}/{cfg.steps} ce {rec['ce']:.3f} aux {rec['aux']:.4f} {rec['tokens_per_s']:.0f} tok/s"
+                msg = (f"{cfg.model} step {step}/{cfg.steps} ce {rec['ce']:.3f} aux {rec['aux']:.4f} "
+                       f"{rec['tokens_per_s']:.0f} tok/s")
                 if "val_loss" in rec:
-                    msg += f" val {rec['val_loss']:.3f} ent {min(rec['usage_entropy']):.3f} max {max(rec['max_share_x_uniform']):.2f}x"
+                    msg += (f" val {rec['val_loss']:.3f} ent {min(rec['usage_entropy']):.3f} "
+                            f"max {max(rec['max_share_x_uniform']):.2f}x")
                 log(msg)
             rec["tokens_seen"] = step * cfg.batch_size * cfg.seq_len
             rec["elapsed_s"] = elapsed0 + time.time() - t_start  # wall seconds over every session
@@ -250,8 +253,6 @@ def train(cfg: TrainConfig, data_dir: Path, out_dir: Path, log=print, model_conf
 def install(final: Path, model_dir: Path, train_dir: Path, corpus_dir: Path) -> Path:
     """Copy a finished training run into the embedded-model folder (models/<name>): weights,
     config, tokenizer, training config and log, and the corpus manifest."""
-    import shutil
-
     model_dir.mkdir(parents=True, exist_ok=True)
     for f in final.iterdir():
         shutil.copy2(f, model_dir / f.name)
@@ -270,8 +271,6 @@ def rebalance_bias(folder: Path, data_dir: Path, steps: int = BIAS_BALANCE_STEPS
     batches (drawn with seeds seed + 1_000_000 + k, disjoint from the training draws), route them,
     then b_i ← b_i + u·sign(mean load − load_i) in each MoE layer. Only the correction bias changes
     (it picks experts; it never weighs them). Rewrites `folder/model.safetensors` in place."""
-    from transformers import AutoModelForCausalLM
-
     torch.set_num_threads(threads)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, local_files_only=True).eval()
     if model.config.model_type != "deepseek_v3":

@@ -30,10 +30,13 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import gguf
 import numpy as np
 import torch
+from transformers import AutoTokenizer
 
 from draftexpert.runtime.gguf_experts import ARCH, PARTS, TYPES, _qtype, add_tensor, finish_atomic
+from draftexpert.runtime.loader import Checkpoint, load_config
 
 N_SPLITS = 2
 
@@ -45,8 +48,6 @@ def split_name(prefix: Path, index: int) -> Path:
 
 def _encode(arr: np.ndarray, qtype: str, keep_f32: bool):
     """(data, raw_dtype or None) for one tensor under the file's weight type."""
-    import gguf
-
     if keep_f32 or arr.ndim < 2 or qtype == "f32":
         return arr.astype(np.float32), None
     if qtype == "f16":
@@ -58,9 +59,6 @@ def _encode(arr: np.ndarray, qtype: str, keep_f32: bool):
 
 def _vocab(folder: Path, vocab_size: int):
     """(tokens, token types) as llama.cpp's converter builds them for a BPE tokenizer."""
-    import gguf
-    from transformers import AutoTokenizer
-
     tok = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     reverse = {i: t for t, i in tok.get_vocab().items()}
     added = tok.added_tokens_decoder
@@ -79,8 +77,6 @@ def _vocab(folder: Path, vocab_size: int):
 
 
 def _metadata(w, cfg, folder: Path, qtype: str, shared_count: int, used_count: int) -> None:
-    import gguf
-
     c = cfg
     w.add_block_count(c.num_hidden_layers)
     w.add_context_length(c.max_position_embeddings)
@@ -117,7 +113,8 @@ def _metadata(w, cfg, folder: Path, qtype: str, shared_count: int, used_count: i
         w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         w.add_rope_scaling_factor(rope["factor"])
         w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
-        for key, add in (("beta_fast", w.add_rope_scaling_yarn_beta_fast), ("beta_slow", w.add_rope_scaling_yarn_beta_slow)):
+        for key, add in (("beta_fast", w.add_rope_scaling_yarn_beta_fast),
+                         ("beta_slow", w.add_rope_scaling_yarn_beta_slow)):
             if key in rope:
                 add(rope[key])
         if rope.get("mscale_all_dim") is not None:
@@ -133,15 +130,12 @@ def _metadata(w, cfg, folder: Path, qtype: str, shared_count: int, used_count: i
 def head_tensors(folder: Path, cfg, draft=None):
     """(gguf name, float array [numpy order], keep f32) for every non-routed weight; with `draft`
     (DraftExperts) each MoE layer's shared expert carries the draft expert (module docstring)."""
-    import gguf
-
-    from draftexpert.runtime.loader import Checkpoint
-
     ckpt = Checkpoint(folder)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.DEEPSEEK2, cfg.num_hidden_layers)
     n_ff = cfg.moe_intermediate_size
     for key in ckpt.keys():
-        if ".mlp.experts." in key or key.startswith("model.layers.") and int(key.split(".")[2]) >= cfg.num_hidden_layers:
+        if (".mlp.experts." in key
+                or key.startswith("model.layers.") and int(key.split(".")[2]) >= cfg.num_hidden_layers):
             continue  # routed experts live in split 2; MTP layers are not decoded
         t = ckpt.get(key).float()
         layer = int(key.split(".")[2]) if key.startswith("model.layers.") else None
@@ -183,10 +177,6 @@ def extra_shared(draft, n_ff: int) -> int:
 
 def write_head(folder: Path, path: Path, qtype: str, draft=None) -> Path:
     """Split 1 of a model (the target's, or a DraftExpert drafter's when `draft` is given), atomically."""
-    import gguf
-
-    from draftexpert.runtime.loader import load_config
-
     if qtype not in TYPES:
         raise ValueError(f"unsupported weight type {qtype!r}; choose one of {', '.join(TYPES)}")
     cfg = load_config(folder)

@@ -51,6 +51,7 @@ import ctypes.util
 import errno
 import mmap
 import os
+import re
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -58,7 +59,6 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
-
 import torch
 
 from draftexpert.runtime.gguf_experts import ExpertFile
@@ -67,7 +67,8 @@ from draftexpert.runtime.model import route
 
 PAGE = mmap.PAGESIZE
 MADV_RANDOM, MADV_DONTNEED, MADV_POPULATE_READ = 1, 4, 22  # Linux values
-POSIX_FADV_RANDOM, POSIX_FADV_WILLNEED, POSIX_FADV_DONTNEED = os.POSIX_FADV_RANDOM, os.POSIX_FADV_WILLNEED, os.POSIX_FADV_DONTNEED
+POSIX_FADV_RANDOM, POSIX_FADV_WILLNEED, POSIX_FADV_DONTNEED = (os.POSIX_FADV_RANDOM, os.POSIX_FADV_WILLNEED,
+                                                              os.POSIX_FADV_DONTNEED)
 _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
 _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
@@ -116,7 +117,7 @@ class LlamaCppError(RuntimeError):
 
 def require_llama_cpp():
     try:
-        import llama_cpp
+        import llama_cpp  # noqa: PLC0415  (llama-cpp-python, the optional extra `llamacpp`)
     except ImportError as e:
         raise LlamaCppError("the llama.cpp engine needs llama-cpp-python: "
                             "CMAKE_ARGS='-DGGML_NATIVE=OFF' pip install -e '.[llamacpp]' (builds from source, ~12 min; "
@@ -127,8 +128,6 @@ def require_llama_cpp():
 def build_info() -> dict[str, str]:
     """llama.cpp's compiled features (`llama_print_system_info`), e.g. {"AVX2": "1", "LLAMAFILE": "0"}."""
     llama_cpp = require_llama_cpp()
-    import re
-
     return dict(re.findall(r"(\w+) = (\w+)", llama_cpp.llama_print_system_info().decode()))
 
 
@@ -199,8 +198,9 @@ class LlamaModel:
         self.llm.eval(tokens)
         if self._hook_error is not None:
             raise self._hook_error
-        self.topk = {l: np.concatenate(p) for (kind, l), p in self._parts.items() if kind == "ffn_moe_topk"}
-        self.router_logits = {l: np.concatenate(p) for (kind, l), p in self._parts.items() if kind == "ffn_moe_logits"}
+        self.topk = {layer: np.concatenate(p) for (kind, layer), p in self._parts.items() if kind == "ffn_moe_topk"}
+        self.router_logits = {layer: np.concatenate(p) for (kind, layer), p in self._parts.items()
+                              if kind == "ffn_moe_logits"}
         return self.llm.scores[n0:n0 + len(tokens)]
 
     def rollback(self, n: int) -> None:
@@ -290,7 +290,8 @@ class ExpertPages:
         self._populate = True  # MADV_POPULATE_READ works (until the kernel says EINVAL)
         self.keys = [(layer, e) for layer in sorted(self.nbytes) for e in range(index.n_experts(layer))]
         self._buf = bytearray(max(s.nbytes for s in self.slices.values()))  # `stage` reads through it
-        self._mappings: list[tuple[int, int, int]] | None = None  # (start, end, file offset) of each mapping of the file
+        # (start, end, file offset) of each mapping of the file
+        self._mappings: list[tuple[int, int, int]] | None = None
 
     def ranges(self, layer: int, e: int) -> list[tuple[int, int]]:
         """(file offset, bytes) of expert e's gate_up and down slices (`ExpertFile.ranges`)."""

@@ -8,17 +8,18 @@ import os
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from draftexpert.runtime.loader import CheckpointError
+from draftexpert.runtime.loader import Checkpoint, CheckpointError, load_config
 
 
 def load_target(folder: Path, dtype: torch.dtype = torch.float32):
     """(model, tokenizer) from a local folder in Hugging Face format, in eval mode."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     folder = Path(folder)
     if not list(folder.glob("*.safetensors")):
-        raise CheckpointError(f"{folder} holds no *.safetensors weights (only {', '.join(sorted(p.name for p in folder.iterdir())) or 'nothing'})")
+        raise CheckpointError(f"{folder} holds no *.safetensors weights "
+                              f"(only {', '.join(sorted(p.name for p in folder.iterdir())) or 'nothing'})")
     try:
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True)
     except Exception as e:  # noqa: BLE001 - transformers raises OSError, ValueError, safetensors' own
@@ -78,12 +79,8 @@ def write_dense_counterpart(folder: Path, out: Path) -> Path:
     union of experts. Attention, norms, shared experts, dense layers, head: the target's own.
     The dense FFN is the target's routed experts 0 … k−1 side by side (down_proj scaled by 1/k):
     a timing counterpart with the MoE's shapes, not a trained model."""
-    from safetensors.torch import save_file
-
-    from draftexpert.runtime.loader import Checkpoint, load_config
-
     cfg, ckpt = load_config(folder), Checkpoint(folder)
-    k, I = cfg.num_experts_per_tok, cfg.moe_intermediate_size
+    k, inter = cfg.num_experts_per_tok, cfg.moe_intermediate_size
     out.mkdir(parents=True, exist_ok=True)
     weight_map: dict[str, str] = {}
 
@@ -100,11 +97,13 @@ def write_dense_counterpart(folder: Path, out: Path) -> Path:
         tensors = {n: ckpt.get(n) for n in names if ".mlp.experts." not in n}
         if p + "gate.weight" in tensors:  # an MoE layer: one expert, one router row
             tensors[p + "gate.weight"] = torch.zeros_like(tensors[p + "gate.weight"][:1])
-            if p + "gate.e_score_correction_bias" in tensors:
-                tensors[p + "gate.e_score_correction_bias"] = torch.zeros_like(tensors[p + "gate.e_score_correction_bias"][:1])
+            bias = p + "gate.e_score_correction_bias"
+            if bias in tensors:
+                tensors[bias] = torch.zeros_like(tensors[bias][:1])
             if p + "experts.gate_up_proj" in ckpt.where:  # fused [E, 2I, H] / [E, H, I]
                 gu, dn = ckpt.get(p + "experts.gate_up_proj")[:k], ckpt.get(p + "experts.down_proj")[:k]
-                gate, up, down = gu[:, :I].reshape(k * I, -1), gu[:, I:].reshape(k * I, -1), torch.cat(list(dn), 1)
+                gate, up = gu[:, :inter].reshape(k * inter, -1), gu[:, inter:].reshape(k * inter, -1)
+                down = torch.cat(list(dn), 1)
             else:
                 gate = torch.cat([ckpt.get(f"{p}experts.{e}.gate_proj.weight") for e in range(k)])
                 up = torch.cat([ckpt.get(f"{p}experts.{e}.up_proj.weight") for e in range(k)])
@@ -113,7 +112,7 @@ def write_dense_counterpart(folder: Path, out: Path) -> Path:
                         p + "experts.0.down_proj.weight": (down.float() / k).to(down.dtype)}
         shard(f"model-{'head' if layer is None else f'layer{layer:03d}'}.safetensors", tensors)
     raw = json.loads((Path(folder) / "config.json").read_text())
-    raw |= {"n_routed_experts": 1, "num_experts_per_tok": 1, "moe_intermediate_size": k * I, "n_group": 1,
+    raw |= {"n_routed_experts": 1, "num_experts_per_tok": 1, "moe_intermediate_size": k * inter, "n_group": 1,
             "topk_group": 1, "routed_scaling_factor": 1.0}
     (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
     (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1))

@@ -33,6 +33,8 @@ from pathlib import Path
 
 import torch
 
+from draftexpert.runtime.ggml_kernel import check_kernel
+from draftexpert.runtime.gguf_experts import ExpertFile
 from draftexpert.runtime.ledger import Ledger
 
 Key = tuple[int, int]  # (layer, expert)
@@ -391,9 +393,6 @@ class FlashStore(ExpertStore):
 
     def __init__(self, path: Path, io_threads: int = 6, staging_budget_bytes: int = 0, staging: str = "demand",
                  kernel: str = "dequant", **kw):
-        from draftexpert.runtime.gguf_experts import ExpertFile
-        from draftexpert.runtime.ggml_kernel import check_kernel
-
         if staging not in STAGING:
             raise ValueError(f"--staging: {staging!r} is not one of {', '.join(STAGING)}")
         super().__init__(**kw)

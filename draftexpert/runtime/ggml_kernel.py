@@ -24,6 +24,7 @@ import functools
 import importlib.util
 from pathlib import Path
 
+import gguf
 import torch
 
 KERNELS = ("dequant", "ggml")  # `--expert-kernel`: how the torch engine computes a Q4_0 expert on a CPU
@@ -63,11 +64,13 @@ def _libs():
     for name, args, res in [("ggml_init", [_InitParams], vp), ("ggml_free", [vp], None),
                             ("ggml_new_tensor_2d", [vp, ctypes.c_int, i64, i64], vp),
                             ("ggml_mul_mat", [vp, vp, vp], vp), ("ggml_swiglu", [vp, vp], vp),
-                            ("ggml_get_data", [vp], vp), ("ggml_new_graph_custom", [vp, ctypes.c_size_t, ctypes.c_bool], vp),
+                            ("ggml_get_data", [vp], vp),
+                            ("ggml_new_graph_custom", [vp, ctypes.c_size_t, ctypes.c_bool], vp),
                             ("ggml_build_forward_expand", [vp, vp], None)]:
         f = getattr(base, name)
         f.argtypes, f.restype = args, res
-    cpu.ggml_graph_compute_with_ctx.argtypes, cpu.ggml_graph_compute_with_ctx.restype = [vp, vp, ctypes.c_int], ctypes.c_int
+    cpu.ggml_graph_compute_with_ctx.argtypes = [vp, vp, ctypes.c_int]
+    cpu.ggml_graph_compute_with_ctx.restype = ctypes.c_int
     cpu.ggml_cpu_init.argtypes, cpu.ggml_cpu_init.restype = [], None
     cpu.ggml_cpu_init()
     return base, cpu
@@ -101,7 +104,8 @@ class _Ggml:
         finally:
             b.ggml_free(ctx)
         if len(found) != 1:
-            raise KernelError("this ggml build's tensor struct is not the one this kernel knows; use --expert-kernel dequant")
+            raise KernelError("this ggml build's tensor struct is not the one this kernel knows; "
+                              "use --expert-kernel dequant")
         return found[0]
 
     def _graph(self, arena, n: int, H: int, shapes: tuple[tuple[int, int], ...]):
@@ -133,7 +137,8 @@ class _Ggml:
         """x [n, H] fp32 → down · swiglu(gate_up · x) [n, H] on the Q4_0 pair (uint8 rows)."""
         H, I2 = x.shape[1], gate_up.shape[0]
         if gate_up.shape[1] * Q4_0_BLOCK != H * Q4_0_BYTES or down.shape[1] * Q4_0_BLOCK * 2 != I2 * Q4_0_BYTES:
-            raise KernelError(f"not a Q4_0 expert for hidden {H}: gate_up {tuple(gate_up.shape)}, down {tuple(down.shape)}")
+            raise KernelError(f"not a Q4_0 expert for hidden {H}: gate_up {tuple(gate_up.shape)}, "
+                              f"down {tuple(down.shape)}")
         return self._run(x, (gate_up, down), ((I2, H), (down.shape[0], I2 // 2)))
 
     def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -164,7 +169,8 @@ class _Ggml:
         try:
             for field, t in zip(data, (*weights, x, out)):
                 field.value = t.data_ptr()  # ggml reads and writes the caller's tensors (alive until this returns)
-            self._compute(graph, 1 if n < 16 else torch.get_num_threads(), work)  # a thread pool per call: not for a few rows
+            # a thread pool per call: not for a few rows
+            self._compute(graph, 1 if n < 16 else torch.get_num_threads(), work)
         finally:
             if n != 1:
                 self.base.ggml_free(ctx)
@@ -207,10 +213,9 @@ def quantize_q4_0(w: torch.Tensor, rows_at_once: int = 4096) -> torch.Tensor:
     gguf's quantiser, bit-identical to llama.cpp's (the bytes `llama_gguf` writes into a Q4_0 head).
     Quantised `rows_at_once` rows at a time: the quantiser's float temporaries stay a few MB even
     for DS-V2-Lite's LM head (102,400 rows)."""
-    import gguf
-
     if w.ndim != 2 or w.shape[1] % Q4_0_BLOCK:
-        raise KernelError(f"Q4_0 quantises rows of whole {Q4_0_BLOCK}-weight blocks; got a matrix of shape {tuple(w.shape)}")
+        raise KernelError(f"Q4_0 quantises rows of whole {Q4_0_BLOCK}-weight blocks; got a matrix of shape "
+                          f"{tuple(w.shape)}")
     out = torch.empty(w.shape[0], w.shape[1] // Q4_0_BLOCK * Q4_0_BYTES, dtype=torch.uint8)
     for i in range(0, w.shape[0], rows_at_once):
         rows = w[i:i + rows_at_once].detach().float().cpu().numpy()

@@ -31,6 +31,7 @@ torch ops — the two are tested equal.
 """
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import mmap
@@ -39,8 +40,12 @@ import queue
 from dataclasses import dataclass
 from pathlib import Path
 
+import gguf
 import numpy as np
 import torch
+from gguf import GGMLQuantizationType as Q
+
+from draftexpert.runtime.ggml_kernel import ggml_library
 
 ALIGN = 4096
 ARCH = "deepseek2"
@@ -53,8 +58,6 @@ class ExpertFileError(RuntimeError):
 
 
 def _qtype(name: str):
-    from gguf import GGMLQuantizationType as Q
-
     return {"f32": Q.F32, "f16": Q.F16, "bf16": Q.BF16, "q4_0": Q.Q4_0}[name]
 
 
@@ -64,14 +67,12 @@ def write_expert_gguf(path: Path, experts, meta: dict, qtype: str = "q4_0") -> P
     first and each layer's tensors are encoded and written as `experts` yields them — (layer,
     gate_up [E, 2I, H], down [E, H, I]) float tensors, MoE layers in order. Memory stays at one
     layer (DS-V2-Lite: ~2 GiB in fp32), never the whole file (26.8 GiB in bf16)."""
-    import gguf
-
     if qtype not in TYPES:
         raise ValueError(f"unsupported expert type {qtype!r}; choose one of {', '.join(TYPES)}")
-    E, H, I = meta["n_expert"], meta["n_embd"], meta["n_ff_exp"]
-    if qtype == "q4_0" and (H % 32 or I % 32):
+    E, H, inter = meta["n_expert"], meta["n_embd"], meta["n_ff_exp"]
+    if qtype == "q4_0" and (H % 32 or inter % 32):
         raise ValueError(f"Q4_0 quantises rows in blocks of 32 weights: hidden {H} and "
-                         f"moe_intermediate {I} must both be multiples of 32 (use f16 or bf16)")
+                         f"moe_intermediate {inter} must both be multiples of 32 (use f16 or bf16)")
     path = Path(path)
     tmp = path.with_name(path.name + ".part")
     digests: dict[str, str] = {}
@@ -82,12 +83,12 @@ def write_expert_gguf(path: Path, experts, meta: dict, qtype: str = "q4_0") -> P
     w.add_block_count(meta["n_layer"])
     w.add_embedding_length(H)
     w.add_expert_count(E)
-    w.add_expert_feed_forward_length(I)
+    w.add_expert_feed_forward_length(inter)
     w.add_leading_dense_block_count(meta["first_dense"])
     w.add_file_type({"f32": 0, "f16": 1, "bf16": 32, "q4_0": 2}[qtype])
     w.add_string("draftexpert.content", "routed experts")
     qt = _qtype(qtype)
-    shapes = {"gate_up": (E, 2 * I, H), "down": (E, H, I)}
+    shapes = {"gate_up": (E, 2 * inter, H), "down": (E, H, inter)}
     plan = [(layer, part) for layer in range(meta["first_dense"], meta["n_layer"]) for part in PARTS]
     for layer, part in plan:  # numpy order; element shapes, byte counts of the encoded type
         shape = shapes[part]
@@ -106,7 +107,8 @@ def write_expert_gguf(path: Path, experts, meta: dict, qtype: str = "q4_0") -> P
                 if next(todo, None) != (layer, part):
                     raise ValueError(f"expert tensors out of order: layer {layer} {part} was not expected next")
                 arr = t.detach().float().contiguous().numpy()
-                data = arr if qtype == "f32" else arr.astype(np.float16) if qtype == "f16" else gguf.quants.quantize(arr, qt)
+                data = (arr if qtype == "f32" else arr.astype(np.float16) if qtype == "f16"
+                        else gguf.quants.quantize(arr, qt))
                 data = np.ascontiguousarray(data)
                 digests[f"blk.{layer}.ffn_{part}_exps.weight"] = _digest(data)
                 w.write_tensor_data(data)
@@ -170,8 +172,6 @@ def _write_sidecar(path: Path, data: dict) -> None:
 def verify_checksums(path: Path, full: bool = False) -> str | None:
     """None when `path` matches its checksums, else what is wrong. Without `full`, a file
     unchanged (size, mtime, inode) since it was last verified is not read again."""
-    import gguf
-
     path = Path(path)
     side = checksum_path(path)
     try:
@@ -236,8 +236,6 @@ class ExpertFile:
     """Index of a GGUF expert file and reads of single experts (readahead + buffered, or O_DIRECT)."""
 
     def __init__(self, path: Path, staging_buffers: int = 16, direct: bool = True):
-        import gguf
-
         self.path = Path(path)
         if not self.path.is_file():
             raise ExpertFileError(f"{self.path}: no such expert file (write it with `bench convert`)")
@@ -268,7 +266,8 @@ class ExpertFile:
             if t.data_offset + t.n_bytes > size:
                 raise ExpertFileError(f"{self.path}: truncated — tensor {t.name} ends at byte "
                                       f"{t.data_offset + t.n_bytes:,} but the file has {size:,}")
-            self.slices[(layer, part)] = _Slice(t.data_offset, t.n_bytes // n_exp, (rows, cols), names[t.tensor_type], n_exp)
+            self.slices[(layer, part)] = _Slice(t.data_offset, t.n_bytes // n_exp, (rows, cols), names[t.tensor_type],
+                                                n_exp)
         if not self.slices:
             raise ExpertFileError(f"{self.path}: holds no routed-expert tensors (blk.N.ffn_*_exps.weight)")
         self.qtype = next(iter(self.slices.values())).qtype  # the experts' type (the writer gives every slice one)
@@ -276,8 +275,9 @@ class ExpertFile:
         for layer in self.layers:
             missing = [p for p in PARTS if (layer, p) not in self.slices]
             if missing:
-                older = " (separate gate and up tensors: an older version of this suite, or another converter, " \
-                        "wrote it; delete it and rebuild it with `bench convert`)" if (layer, "gate") in self.slices else ""
+                older = (" (separate gate and up tensors: an older version of this suite, or another converter, "
+                         "wrote it; delete it and rebuild it with `bench convert`)" if (layer, "gate") in self.slices
+                         else "")
                 raise ExpertFileError(f"{self.path}: layer {layer} lacks ffn_{'/'.join(missing)}_exps{older}")
         # 0 buffers: an index only (no reads); `direct`: `read_expert` too (O_DIRECT)
         self.fd = self._open() if staging_buffers and direct else -1
@@ -447,7 +447,8 @@ class ExpertFile:
         try:
             at = 0
             for part, off in zip((gu, d), raw.offsets):
-                out[at:at + part.nbytes].copy_(torch.frombuffer(raw.buf, dtype=torch.uint8, count=part.nbytes, offset=off))
+                out[at:at + part.nbytes].copy_(torch.frombuffer(raw.buf, dtype=torch.uint8, count=part.nbytes,
+                                                                offset=off))
                 at += part.nbytes
         finally:
             self.release(raw)
@@ -462,10 +463,6 @@ class ExpertFile:
 
 def _ggml_q4_0():
     """ggml's `dequantize_row_q4_0(src, dst, n)` from the llama-cpp-python package, or None."""
-    import ctypes
-
-    from draftexpert.runtime.ggml_kernel import ggml_library
-
     path = ggml_library("ggml-base")
     if path is None:
         return None

@@ -24,6 +24,8 @@ from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+import torch
+
 COUNTERS = ("requested", "loads", "hits", "bytes", "stall_s")
 PREFETCH_COUNTERS = ("issued", "bytes", "hits", "waste", "misses")
 
@@ -50,8 +52,6 @@ class Ledger:
         self._gpu_waits: list[tuple[int, object, object]] = []  # (layer, needed-at event, copy-done event)
 
     def use_cuda(self, device) -> None:
-        import torch
-
         self._sync = lambda: torch.cuda.synchronize(device)
 
     @contextmanager
@@ -123,5 +123,6 @@ class Ledger:
                 for k in COUNTERS:
                     per_layer[layer][k] += c[k]
         phases = sorted({r.phase for r in self.forwards})
-        return {"total": agg(self.forwards), "prefetch": dict(self.prefetch), "by_phase": {p: agg([r for r in self.forwards if r.phase == p]) for p in phases},
+        return {"total": agg(self.forwards), "prefetch": dict(self.prefetch),
+                "by_phase": {p: agg([r for r in self.forwards if r.phase == p]) for p in phases},
                 "per_layer": {str(k): v for k, v in sorted(per_layer.items())}}

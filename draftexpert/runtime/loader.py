@@ -14,9 +14,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+from tqdm.auto import tqdm
+from transformers import AutoConfig
 
-from draftexpert.runtime.experts import ExpertStore, FlashStore, HostStore, ResidentStore
+from draftexpert.runtime.experts import ExpertStore, FlashStore, HostPool, HostStore, ResidentStore
 from draftexpert.runtime.ggml_kernel import check_kernel
+from draftexpert.runtime.gguf_experts import ExpertFile, write_expert_gguf
 from draftexpert.runtime.ledger import Ledger
 from draftexpert.runtime.model import ModelConfig, MoEModel
 
@@ -28,8 +32,6 @@ class CheckpointError(RuntimeError):
 
 
 def load_config(folder: Path):
-    from transformers import AutoConfig
-
     folder = Path(folder)
     cfg_path = folder / "config.json"
     if not cfg_path.is_file():
@@ -51,8 +53,6 @@ class Checkpoint:
     """Lazy, shard-aware access to the tensors of a safetensors checkpoint."""
 
     def __init__(self, folder: Path):
-        from safetensors import safe_open
-
         self.folder = Path(folder)
         index = self.folder / "model.safetensors.index.json"
         if index.is_file():
@@ -91,7 +91,8 @@ class Checkpoint:
         try:
             return self.handles[shard].get_tensor(name)
         except Exception as e:  # noqa: BLE001 - a truncated shard fails here
-            raise CheckpointError(f"{self.folder / shard}: cannot read tensor {name} ({e}) — truncated or corrupt?") from e
+            raise CheckpointError(f"{self.folder / shard}: cannot read tensor {name} ({e}) — truncated or "
+                                  "corrupt?") from e
 
 
 def non_routed_weights(ckpt: Checkpoint, device, dtype) -> dict[str, torch.Tensor]:
@@ -132,11 +133,9 @@ def fill_host_pool(ckpt: Checkpoint, hf_config, dtype: torch.dtype):
     """The cg host pool (`HostPool`) filled expert by expert from the shards: each tensor read,
     copied into its place, dropped — memory is the pool plus one tensor (a fused checkpoint's
     per-layer `gate_up_proj`: one layer)."""
-    from draftexpert.runtime.experts import HostPool
-
     layers = list(range(hf_config.first_k_dense_replace, hf_config.num_hidden_layers))
-    E, H, I = hf_config.n_routed_experts, hf_config.hidden_size, hf_config.moe_intermediate_size
-    pool = HostPool(layers, E, H, I, dtype)
+    E, H, inter = hf_config.n_routed_experts, hf_config.hidden_size, hf_config.moe_intermediate_size
+    pool = HostPool(layers, E, H, inter, dtype)
     for layer in layers:
         p = f"model.layers.{layer}.mlp.experts."
         gu, dn = pool.gate_up[layer], pool.down[layer]
@@ -145,17 +144,16 @@ def fill_host_pool(ckpt: Checkpoint, hf_config, dtype: torch.dtype):
             dn.copy_(ckpt.get(p + "down_proj"))
             continue
         for e in range(E):
-            gu[e, :I].copy_(ckpt.get(f"{p}{e}.gate_proj.weight"))
-            gu[e, I:].copy_(ckpt.get(f"{p}{e}.up_proj.weight"))
+            gu[e, :inter].copy_(ckpt.get(f"{p}{e}.gate_proj.weight"))
+            gu[e, inter:].copy_(ckpt.get(f"{p}{e}.up_proj.weight"))
             dn[e].copy_(ckpt.get(f"{p}{e}.down_proj.weight"))
     return pool
 
 
-def expert_file_layers(path: Path, device, dtype, kernel: str = "dequant") -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+def expert_file_layers(path: Path, device, dtype,
+                       kernel: str = "dequant") -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
     """(layer, gate_up [E, 2I, H], down [E, H, I]) of a GGUF expert file, dequantised, a layer at a
     time (kernel "ggml": the Q4_0 bytes, uint8 [E, 2I, H/32·18] and [E, H, I/32·18])."""
-    from draftexpert.runtime.gguf_experts import ExpertFile
-
     f = ExpertFile(Path(path), staging_buffers=1)
     if kernel != "dequant":
         check_kernel(kernel, f.qtype, device)
@@ -175,10 +173,6 @@ def gguf_meta(hf_config) -> dict:
 
 def convert_experts(folder: Path, out: Path, qtype: str = "q4_0") -> Path:
     """Write the checkpoint's routed experts into a GGUF expert file (once; later runs reuse it)."""
-    from draftexpert.runtime.gguf_experts import write_expert_gguf
-
-    from tqdm.auto import tqdm
-
     cfg = load_config(folder)
     layers = tqdm(routed_experts(Checkpoint(folder), cfg), total=cfg.num_hidden_layers - cfg.first_k_dense_replace,
                   desc=f"writing {Path(out).name}", unit="layer", delay=2, disable=None)  # a terminal, past 2 s

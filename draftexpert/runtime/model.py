@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from tqdm.auto import tqdm
 
 from draftexpert.runtime.experts import ExpertStore, ResidentStore
 from draftexpert.runtime.ggml_kernel import KernelError, expert_mlp, q4_0_linear, quantize_q4_0
@@ -164,8 +165,10 @@ class MoEModel:
     experts (Eq. 12) — and `self.last_fetched` the (layer, experts) the forward actually ran."""
 
     def __init__(self, hf_config, weights: dict[str, torch.Tensor], experts: ExpertStore):
-        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-        from transformers.models.deepseek_v2.modeling_deepseek_v2 import yarn_apply_mscale
+        # transformers' DeepSeek-V2 modelling costs ~1.7 s to import on top of its config classes; only building
+        # the torch model needs it, and the llama.cpp engine imports this module (route) without building one
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: PLC0415
+        from transformers.models.deepseek_v2.modeling_deepseek_v2 import yarn_apply_mscale  # noqa: PLC0415
 
         self.cfg = c = ModelConfig.from_hf(hf_config)
         self.experts = experts
@@ -392,8 +395,6 @@ class MoEModel:
         x = self.embed[ids.to(self.embed.device)]
         layers = enumerate(self.layers)
         if phase == "prefill":  # a long prefill of a large model: a bar on a terminal once it passes 2 s
-            from tqdm.auto import tqdm
-
             layers = tqdm(layers, total=len(self.layers), desc=f"prefill {T} tokens", unit="layer", delay=2,
                           leave=False, disable=None)
         for i, L in layers:
@@ -424,7 +425,8 @@ class MoEModel:
         store = self.experts
         # resident fp experts are indexed in the graph; offloaded ones, and Q4_0 blocks for the ggml
         # kernel (`--expert-kernel ggml`), go through the store in the op
-        self._indexed = isinstance(store, ResidentStore) and all(t.dtype.is_floating_point for t in store.gate_up.values())
+        self._indexed = (isinstance(store, ResidentStore)
+                         and all(t.dtype.is_floating_point for t in store.gate_up.values()))
         offloaded, handle = not self._indexed, _MODELS.add(self)
 
         def step(tok, layers, shared, r, gate_ups, downs, c_kvs, k_pes, pos, keys, cos, sin):
@@ -441,7 +443,8 @@ class MoEModel:
                     x = x + torch.ops.draftexpert.routed_experts(self.mlp(h, *shared[i]), h, w[0, :r], idx[0, :r],
                                                                  handle, i)
                 else:
-                    x = x + self.mlp(h, *shared[i]) + self.routed_indexed(h, w[0, :r], idx[0, :r], gate_ups[i], downs[i])
+                    x = (x + self.mlp(h, *shared[i])
+                         + self.routed_indexed(h, w[0, :r], idx[0, :r], gate_ups[i], downs[i]))
             return self.head(x), routing
 
         self._compiled = torch.compile(step, dynamic=False)
@@ -459,7 +462,8 @@ class MoEModel:
                 continue
             self._warm.add((max_len, id(path)))
             # as a sequence's: the cache and token made outside inference mode, stepped inside it (guards see both)
-            cache, tok = KVCache(self.cfg, max_len, device=self.embed.device, dtype=self.embed.dtype), torch.zeros(1, dtype=torch.long)
+            cache = KVCache(self.cfg, max_len, device=self.embed.device, dtype=self.embed.dtype)
+            tok = torch.zeros(1, dtype=torch.long)
             with torch.inference_mode():
                 self._decode_compiled(tok, cache, path)
             self.experts.end_forward()

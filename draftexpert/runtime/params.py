@@ -93,13 +93,13 @@ def breakdown(cfg: dict) -> Breakdown:
         b.norms += 2 * H
         b.vectors += attn_vec + 2 * H
         if is_moe_layer(cfg, layer):
-            E, I = cfg["n_routed_experts"], cfg["moe_intermediate_size"]
-            b.routed_experts += E * 3 * H * I
+            E, inter = cfg["n_routed_experts"], cfg["moe_intermediate_size"]
+            b.routed_experts += E * 3 * H * inter
             b.n_routed_experts_total += E
-            b.shared_experts += 3 * H * cfg.get("n_shared_experts", 0) * I
+            b.shared_experts += 3 * H * cfg.get("n_shared_experts", 0) * inter
             b.router += E * H + (E if v3_bias else 0)
             b.vectors += E if v3_bias else 0
-            b.routed_expert_params_each = 3 * H * I
+            b.routed_expert_params_each = 3 * H * inter
         else:
             b.dense_mlp += 3 * H * cfg["intermediate_size"]
     b.vectors += H
@@ -183,17 +183,19 @@ def plan(cfg: dict, platform: str, cuda: bool, dtype_bytes: int = 4, expert_type
                            (DS-shaped layers measured 3.8 GiB Q4_0, 4.2 GiB bf16 peak RSS)
     `host` / `accelerator` sum what each memory holds (one memory when the CPU is the accelerator)."""
     b = breakdown(cfg)
-    H, I, E = cfg["hidden_size"], cfg["moe_intermediate_size"], cfg.get("n_routed_experts") or 0
+    H, inter, E = cfg["hidden_size"], cfg["moe_intermediate_size"], cfg.get("n_routed_experts") or 0
     k, L = cfg.get("num_experts_per_tok") or 0, cfg["num_hidden_layers"]
     moe_layers = [i for i in range(L) if is_moe_layer(cfg, i)]
-    expert = 3 * H * I
+    expert = 3 * H * inter
     p = {"platform": platform, "store": STORES[platform], "cuda": cuda, "dtype_bytes": dtype_bytes,
          "accelerator_weights": (b.non_routed + (b.routed_experts if platform == "resident" else 0)) * dtype_bytes,
-         "draft_weights": len(moe_layers) * 3 * H * (cfg.get("n_shared_experts", 0) * I + draft_intermediate)
+         "draft_weights": len(moe_layers) * 3 * H * (cfg.get("n_shared_experts", 0) * inter + draft_intermediate)
          * dtype_bytes if draft_intermediate else 0,
          "kv_cache": L * context * (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * dtype_bytes,
-         "working_set": 0 if platform == "resident" else len(moe_layers) * min(E, positions * k) * expert * dtype_bytes,
-         "working_set_one_position": 0 if platform == "resident" else len(moe_layers) * min(E, k) * expert * dtype_bytes,
+         "working_set": (0 if platform == "resident"
+                         else len(moe_layers) * min(E, positions * k) * expert * dtype_bytes),
+         "working_set_one_position": (0 if platform == "resident"
+                                      else len(moe_layers) * min(E, k) * expert * dtype_bytes),
          "host_pool": 0, "host_pinned": 0, "host_load_transient": 0, "storage": 0,
          "conversion_peak": 0}
     if platform == "cg":
@@ -213,8 +215,8 @@ def plan(cfg: dict, platform: str, cuda: bool, dtype_bytes: int = 4, expert_type
     p["demand_one_layer"] = 0 if platform == "resident" else min(E, positions * k) * expert * dtype_bytes
     # a bounded round can hold one forward layer's demand loads beside a full budget (the loads in
     # flight, prefetches among them, that the store cannot drop): counted besides the bound
-    p["demand_in_flight"] = min(E, positions * k) * expert * dtype_bytes if working_set_bytes and platform != "resident" \
-        else 0
+    p["demand_in_flight"] = (min(E, positions * k) * expert * dtype_bytes
+                             if working_set_bytes and platform != "resident" else 0)
     for suffix, ws in (("", p["working_set"] + p["demand_in_flight"]),
                        ("_least", p["working_set_one_position"] + p["demand_in_flight"])):
         device = p["accelerator_weights"] + p["draft_weights"] + p["kv_cache"] + ws
@@ -223,7 +225,8 @@ def plan(cfg: dict, platform: str, cuda: bool, dtype_bytes: int = 4, expert_type
     return p
 
 
-def check_fits(p: dict, host_bytes: int | None, accelerator_bytes: int | None = None, headroom: float = 0.9) -> str | None:
+def check_fits(p: dict, host_bytes: int | None, accelerator_bytes: int | None = None,
+               headroom: float = 0.9) -> str | None:
     """Refuse a plan (`plan`) whose least need (a round that stages one position's experts) does
     not fit the given memories, with the numbers and what to do; return a warning when only its
     worst case (every position of a round staging new experts) does not."""
@@ -269,16 +272,16 @@ def distill_plan(cfg: dict, p: dict, intermediate: int, seq_len: int, batch: int
     transformers: the whole model in fp32 instead (every expert resident)."""
     b = breakdown(cfg)
     H, V, L, E = cfg["hidden_size"], cfg["vocab_size"], cfg["num_hidden_layers"], cfg.get("n_routed_experts") or 0
-    k, I = cfg.get("num_experts_per_tok") or 0, cfg["moe_intermediate_size"]
+    k, inter = cfg.get("num_experts_per_tok") or 0, cfg["moe_intermediate_size"]
     moe = sum(is_moe_layer(cfg, i) for i in range(L))
     heads, d_qk = cfg["num_attention_heads"], cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"]
-    shared = (cfg.get("n_shared_experts") or 0) * I
-    per_token_layer = 4 * (8 * H + heads * (2 * d_qk + cfg["v_head_dim"]) + heads * seq_len + 3 * shared + 3 * intermediate
-                           + 2 * E)
+    shared = (cfg.get("n_shared_experts") or 0) * inter
+    per_token_layer = 4 * (8 * H + heads * (2 * d_qk + cfg["v_head_dim"]) + heads * seq_len + 3 * shared
+                           + 3 * intermediate + 2 * E)
     d = {"teacher": teacher, "distill_state": 16 * moe * 3 * H * intermediate,
          "distill_logits": 6 * batch * seq_len * V * 4,
          "distill_activations": batch * seq_len * L * per_token_layer,
-         "distill_experts": min(E, seq_len * k) * 3 * H * I * p["dtype_bytes"]}
+         "distill_experts": min(E, seq_len * k) * 3 * H * inter * p["dtype_bytes"]}
     extra = d["distill_state"] + d["distill_logits"] + d["distill_activations"]
     device = p["accelerator_weights"] + d["distill_experts"] + extra  # training runs where the model computes
     host = p["host_pool"] + p["host_load_transient"]
@@ -297,4 +300,6 @@ def check_distill_fits(d: dict, host_bytes: int | None, accelerator_bytes: int |
             hint = ("--teacher runtime streams the experts instead of holding the whole model"
                     if d["teacher"] == "transformers" else "lower --seq-len / --batch-size / --intermediate")
             raise WontFit(f"distilling with the {d['teacher']} teacher needs {need / GIB:.1f} GiB of {mem} memory, "
-                          f"but {have / GIB:.1f} GiB is available: {hint} (`bench plan --distill` shows where the bytes go)")
+                          f"but {have / GIB:.1f} GiB is available, {headroom * have / GIB:.1f} GiB of it usable "
+                          f"({1 - headroom:.0%} kept free for the allocator and the process): {hint} "
+                          "(`bench plan --distill` shows where the bytes go)")

@@ -75,8 +75,8 @@ class DraftExperts:
         """Random N(0, std²) weights (tests: a draft expert that changes the draft path)."""
         g = torch.Generator().manual_seed(seed)
         rnd = lambda *shape: (torch.randn(*shape, generator=g) * std).to(dtype)  # noqa: E731
-        return cls({i: rnd(2 * intermediate, hidden) for i in moe_layers}, {i: rnd(hidden, intermediate) for i in moe_layers},
-                   dict.fromkeys(moe_layers, 1.0))
+        return cls({i: rnd(2 * intermediate, hidden) for i in moe_layers},
+                   {i: rnd(hidden, intermediate) for i in moe_layers}, dict.fromkeys(moe_layers, 1.0))
 
 
 def draftexpert(model, experts: DraftExperts) -> DraftPath:

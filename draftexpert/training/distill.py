@@ -23,16 +23,23 @@ checked unchanged. Teacher activations are computed once per batch under no_grad
 from __future__ import annotations
 
 import json
+import math
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import save_file
 from torch import nn
+from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
+from tqdm.auto import tqdm
 
-from draftexpert.speculation.drafters import DraftExperts
 from draftexpert.runtime.checkpoint import weights_fingerprint
 from draftexpert.runtime.model import ModelConfig, route
+from draftexpert.speculation.drafters import DraftExperts
 
 # Table 5's rows, cumulative: which terms each preset switches on (weights α, β, η below).
 PRESETS = {
@@ -279,8 +286,6 @@ class RuntimeTeacher:
         return {"logits": logits, "layers": self._gather(acts)}
 
     def draft_pass(self, draft: DraftExpertModule, x: torch.Tensor) -> dict:
-        from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
-
         m, acts = self.model, []
 
         def moe(x_, h, i, w, idx, path, phase):
@@ -367,7 +372,8 @@ def agreement(target: dict, draft: dict, k: int) -> dict:
 def add_counts(tot: dict, a: dict) -> dict:
     """tot += a, key by key (lists element by element)."""
     for key, v in a.items():
-        tot[key] = [x + y for x, y in zip(tot.get(key, [0] * len(v)), v)] if isinstance(v, list) else tot.get(key, 0) + v
+        tot[key] = ([x + y for x, y in zip(tot.get(key, [0] * len(v)), v)] if isinstance(v, list)
+                    else tot.get(key, 0) + v)
     return tot
 
 
@@ -383,8 +389,6 @@ def by_margin(tot: dict) -> dict:
 def save_draft_experts(path: Path, experts: DraftExperts, target_folder: Path, meta: dict) -> None:
     """safetensors with `layers.<l>.{gate_up,down,gamma}` and metadata: the target's fingerprint,
     the preset and how it was trained."""
-    from safetensors.torch import save_file
-
     tensors = {}
     for i in experts.gate_up:
         tensors[f"layers.{i}.gate_up"] = experts.gate_up[i].float().contiguous()
@@ -399,8 +403,6 @@ def save_draft_experts(path: Path, experts: DraftExperts, target_folder: Path, m
 
 def load_draft_experts(path: Path, target_folder: Path) -> tuple[DraftExperts, dict]:
     """Draft experts paired with the target in `target_folder`; refuses any other target."""
-    from safetensors import safe_open
-
     path = Path(path)
     if not path.is_file():
         raise DistillError(f"no draft-expert checkpoint at {path}: train one with "
@@ -421,8 +423,8 @@ def load_draft_experts(path: Path, target_folder: Path) -> tuple[DraftExperts, d
         have = weights_fingerprint(target_folder)
         if want != have:
             raise DistillError(f"{path} was distilled from a different target (its weights hash "
-                               f"{str(want)[:12]}…, the model in {target_folder} hashes {have[:12]}…): draft experts only "
-                               "fit the exact target they were trained against")
+                               f"{str(want)[:12]}…, the model in {target_folder} hashes {have[:12]}…): draft "
+                               "experts only fit the exact target they were trained against")
         layers = sorted({int(k.split(".")[1]) for k in names})
         de = DraftExperts({i: f.get_tensor(f"layers.{i}.gate_up") for i in layers},
                           {i: f.get_tensor(f"layers.{i}.down") for i in layers},
@@ -437,8 +439,6 @@ def load_draft_experts(path: Path, target_folder: Path) -> tuple[DraftExperts, d
 def sample_batch(data, step: int, cfg: DistillConfig) -> torch.Tensor:
     """B windows of T tokens at positions drawn from a generator seeded by (seed, step): a resumed
     run sees the same batches."""
-    import numpy as np
-
     rng = np.random.default_rng([cfg.seed, step])
     starts = rng.integers(0, len(data) - cfg.seq_len, size=cfg.batch_size)
     return torch.from_numpy(np.stack([data[s:s + cfg.seq_len] for s in starts]).astype(np.int64))
@@ -446,8 +446,6 @@ def sample_batch(data, step: int, cfg: DistillConfig) -> torch.Tensor:
 
 def eval_windows(data, n: int, seq_len: int) -> list[torch.Tensor]:
     """n windows spread evenly over a held-out split, in batches of 4."""
-    import numpy as np
-
     stride = max(seq_len, (len(data) - seq_len) // n)
     rows = [np.asarray(data[i * stride:i * stride + seq_len], dtype=np.int64) for i in range(n)
             if i * stride + seq_len <= len(data)]
@@ -485,8 +483,6 @@ def evaluate_continuations(teacher, draft: DraftExpertModule, sequences: list[tu
 
 
 def lr_at(step: int, cfg: DistillConfig) -> float:
-    import math
-
     if step < cfg.warmup:
         return cfg.lr * (step + 1) / cfg.warmup
     t = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
@@ -499,8 +495,6 @@ def train(teacher, train_data, val_windows: list[torch.Tensor], cfg: DistillConf
     resumable from `state_dir`).
     Returns the module and the history: one record per step (each loss term, lr, seconds) and an
     evaluation record every `eval_every` steps."""
-    import time
-
     torch.set_num_threads(cfg.threads)
     draft = DraftExpertModule(teacher.moe_layers, teacher.cfg.hidden, cfg.intermediate, cfg.learn_gamma,
                               cfg.seed).to(teacher.device)  # trained where the model computes
@@ -519,8 +513,6 @@ def train(teacher, train_data, val_windows: list[torch.Tensor], cfg: DistillConf
     steps = cfg.steps if terms else 0
     bar = None
     if progress:
-        from tqdm.auto import tqdm
-
         bar = tqdm(total=steps, initial=start, desc=f"distill {cfg.preset}", unit="step")
     t_run = time.perf_counter()
     for step in range(start, steps):
