@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 # llama.cpp (the mn engine) builds from source (~7–12 min, once; pip caches the wheel). Portable
 # (no -march=native: AMX builds crash on deepseek2) and batch-invariant (no llamafile sgemm:
-# speculative verification must compute what one-token steps compute — see README).
+# speculative verification must compute what one-token steps compute — see docs/LLAMACPP.md).
 LLAMA_SPEC := llama-cpp-python==0.3.36
 LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_LLAMAFILE=OFF
 

@@ -191,7 +191,7 @@ def versions() -> dict:
     out["torch_cuda"] = torch.version.cuda
     out["cuda_available"] = torch.cuda.is_available()
     out["torch_threads"] = torch.get_num_threads()
-    if out["llama_cpp"]:  # the build flags exactness depends on (README: the llama.cpp engine)
+    if out["llama_cpp"]:  # the build flags exactness depends on (docs/LLAMACPP.md)
         out["llama_cpp_build"] = build_info()
     return out
 

@@ -245,7 +245,7 @@ def _default_params(llama_cpp, callback):
     """Within: contexts get the eval callback (router taps) and models `use_extra_bufts = False` —
     keep weights in the mmap'd file: the CPU 'extra buffer types' (repacked Q4_0, AMX) copy them
     into anonymous memory at load, so experts would never come from storage again (and AMX
-    builds crash on deepseek2, see README)."""
+    builds crash on deepseek2, see docs/LLAMACPP.md)."""
     low = llama_cpp.llama_cpp  # the module `Llama` calls
     ctx_default, model_default = low.llama_context_default_params, low.llama_model_default_params
 

@@ -62,7 +62,7 @@ class DistillConfig:
     learn_gamma: bool = True  # γ_l learned (initialised at 1) or fixed at 1
     # Weights of Eq. 11 (the paper gives none), chosen by held-out KL / token agreement on ds-tiny: the
     # raw L_res (Σ over hidden of the squared error, ≈ 100–230 there) would otherwise drown L_logit
-    # (≈ 0.05) and L_router (≈ 0.002); β = 1e-3 brings it to L_logit's size (see README, distillation).
+    # (≈ 0.05) and L_router (≈ 0.002); β = 1e-3 brings it to L_logit's size (docs/RUNTIME.md, the loss weights).
     alpha: float = 0.1  # L_tok weight (L_tok ≈ 1.9: CE to a weak teacher's argmax, kept a nudge)
     beta: float = 1e-3  # L_res weight
     eta: float = 10.0  # L_router weight
