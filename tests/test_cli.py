@@ -2,8 +2,8 @@ import json
 
 import pytest
 
-from bench.reproduce import spec_compare
-from bench.speed import ENGINE_CELLS
+from bench.steps.reproduce import spec_compare
+from bench.steps.speed import ENGINE_CELLS
 from tests.conftest import REPO, run_bench
 
 

@@ -1,6 +1,7 @@
 """docs/DESIGN.md's dependency rule, checked on every import of every module (module-level or inside a
 function): the library never imports the harness, figures never run a model, the round knows no engine,
-the runtime uses nothing else of the library, AR offload only the contracts."""
+the runtime uses nothing else of the library, AR offload only the contracts, and the harness's jobs
+point one way (commands → steps → cells → runs → suites)."""
 from __future__ import annotations
 
 import ast
@@ -24,6 +25,12 @@ NEVER = [
     ("draftexpert.decoding", "draftexpert."), ("draftexpert.metrics", "draftexpert."),
     ("baselines", "draftexpert.runtime"), ("baselines", "draftexpert.engines"),
     ("baselines", "draftexpert.speculation"), ("baselines", "bench"),
+    # bench by job: cli → steps → cells → runs → suites; tiny → suites; only the CLI imports the CLI
+    *[(src, "bench.cli") for src in ("bench.steps", "bench.cells", "bench.runs", "bench.suites", "bench.tiny")],
+    *[(src, "bench.steps") for src in ("bench.cells", "bench.runs", "bench.suites", "bench.tiny")],
+    *[(src, "bench.cells") for src in ("bench.runs", "bench.suites", "bench.tiny")],
+    *[(src, "bench.runs") for src in ("bench.suites", "bench.tiny")],
+    ("bench.suites", "bench.tiny"),
 ]
 
 
@@ -66,7 +73,7 @@ def violations(files, root: Path = ROOT) -> list[str]:
 
 
 def test_dependency_rule_holds():
-    files = [f for d in ("draftexpert", "paper_figs", "baselines") for f in (ROOT / d).rglob("*.py")]
+    files = [f for d in ("draftexpert", "paper_figs", "baselines", "bench") for f in (ROOT / d).rglob("*.py")]
     assert len(files) > 20
     assert violations(files) == []
 
@@ -82,7 +89,7 @@ def test_the_check_catches_a_broken_arrow(tmp_path):
                                "(never draftexpert.speculation → draftexpert.runtime)"]
 
 
-@pytest.mark.parametrize("mod, imported, broken", [("draftexpert.engines.x", "bench.cell", True),
+@pytest.mark.parametrize("mod, imported, broken", [("draftexpert.engines.x", "bench.cells.cell", True),
                                                    ("draftexpert.engines.x", "draftexpert.runtime", False),
                                                    ("paper_figs.fig2", "draftexpert.metrics", False)])
 def test_rule_table(mod, imported, broken):

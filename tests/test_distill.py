@@ -8,7 +8,7 @@ import torch
 from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
 
 from bench.cli import distill_cmd
-from bench.distill import state_dir
+from bench.steps.distill import state_dir
 from draftexpert.runtime.loader import build_model, convert_experts
 from draftexpert.runtime.model import KVCache, ModelConfig, from_hf_model
 from draftexpert.speculation.drafters import draftexpert

@@ -14,8 +14,8 @@ from bench.cli import app
 pytest.importorskip("lm_eval")
 from lm_eval.api.instance import Instance  # noqa: E402
 
-from bench.eval_tasks import mbpp, mbpp_results, passes  # noqa: E402
-from bench.evaluation import DraftExpertLM, evaluate, lm_eval_main  # noqa: E402
+from bench.steps.eval_tasks import mbpp, mbpp_results, passes  # noqa: E402
+from bench.steps.evaluation import DraftExpertLM, evaluate, lm_eval_main  # noqa: E402
 
 
 def test_mbpp_pass_at_1_runs_the_tests():

@@ -13,13 +13,14 @@ import torch
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
-from bench import artifacts, prompts
-from bench.cell import Cell, SpecOptions
+from bench.cells import artifacts
+from bench.cells.cell import Cell, SpecOptions
+from bench.cells.decoders import make_decoder
 from bench.cli import app
-from bench.decoders import make_decoder
-from bench.prompts import render_prompt
-from bench.results import RecordWriter, RunFolderError, RunManifest, check_run_dir, load_results, read_records
-from bench.runner import context_overflows, run_cells
+from bench.runs.results import RecordWriter, RunFolderError, RunManifest, check_run_dir, load_results, read_records
+from bench.runs.runner import context_overflows, run_cells
+from bench.suites import prompts
+from bench.suites.prompts import render_prompt
 from draftexpert.decoding import ContextOverflow, NonFiniteLogits, sample
 from draftexpert.runtime.gguf_experts import checksum_path, verify_checksums
 from tests.conftest import BENCH, REPO, run_bench

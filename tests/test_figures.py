@@ -2,8 +2,8 @@
 import pandas as pd
 import pytest
 
-from bench.distill import report
-from bench.distill import table as table5
+from bench.steps.distill import report
+from bench.steps.distill import table as table5
 from paper_figs import fig1b, fig2, fig3, fig45
 from paper_figs.spec_table import table, table4
 

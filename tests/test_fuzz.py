@@ -1,7 +1,7 @@
 """`bench fuzz`: cases replay by themselves, and the campaign's check catches a broken decoder."""
 import draftexpert.speculation.round as rnd
-from bench import fuzz as fz
-from bench.artifacts import expert_file_for
+from bench.cells.artifacts import expert_file_for
+from bench.steps import fuzz as fz
 
 
 def test_a_case_is_drawn_from_its_seed_and_index_alone():

@@ -5,7 +5,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 from typer.testing import CliRunner
 
-from bench import registry
+from bench.cells import registry
 from bench.cli import app
 from draftexpert.runtime import params
 from draftexpert.runtime.loader import build_model

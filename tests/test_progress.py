@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import io
 
-from bench.progress import Progress
+from bench.runs.progress import Progress
 
 
 class Terminal(io.StringIO):

@@ -3,8 +3,8 @@ import json
 
 import pytest
 
-from bench import prompts, sources
-from bench.sources import SourceError
+from bench.suites import prompts, sources
+from bench.suites.sources import SourceError
 from tests.conftest import run_bench
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.readcap import ReadCap, ReadCapError, block_device, parse_rate
+from bench.runs.readcap import ReadCap, ReadCapError, block_device, parse_rate
 
 REPO = Path(__file__).resolve().parents[1]
 THROTTLE_SLICE_S = 0.1  # blk-throttle lets a group run ahead by at most one slice (100 ms) of its rate
@@ -81,10 +81,11 @@ def test_without_permission_the_cap_is_refused_not_ignored():
     if os.geteuid() != 0 or shutil.which("setpriv") is None:
         pytest.skip("needs root and setpriv to try as an unprivileged user")
     as_nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c"]
-    probe = subprocess.run(as_nobody + ["import bench.readcap"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    probe = subprocess.run(as_nobody + ["import bench.runs.readcap"], cwd=REPO, capture_output=True, text=True,
+                           timeout=60)
     if probe.returncode != 0:  # e.g. a checkout in a 0700 temporary folder: the user cannot even start
         pytest.skip(f"an unprivileged user cannot run this checkout here: {probe.stderr.strip()[-200:]}")
-    code = ("from pathlib import Path\nfrom bench.readcap import ReadCap, ReadCapError\n"
+    code = ("from pathlib import Path\nfrom bench.runs.readcap import ReadCap, ReadCapError\n"
             "try:\n    ReadCap(10**6, Path('bench')).__enter__()\n"
             "except ReadCapError as e:\n    print('refused:', e)\n")
     p = subprocess.run(as_nobody + [code], cwd=REPO, capture_output=True, text=True, timeout=60)

@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import registry
+from bench.cells import registry
 from tests.conftest import run_bench
 
 

@@ -6,11 +6,11 @@ import time
 
 import pytest
 
-from bench.results import RecordWriter, cell_key, load_results, read_records
+from bench.runs.results import RecordWriter, cell_key, load_results, read_records
 
 WRITER = r"""
 import sys
-from bench.results import RecordWriter
+from bench.runs.results import RecordWriter
 run_dir, start = sys.argv[1], int(sys.argv[2])
 with RecordWriter(run_dir, fsync=False) as w:
     for i in range(start, 10**9):

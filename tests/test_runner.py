@@ -9,7 +9,7 @@ from pathlib import Path
 import gguf
 import torch
 
-from bench.results import read_records
+from bench.runs.results import read_records
 from draftexpert.engines.reference import ReferenceDecoder
 from draftexpert.runtime.checkpoint import load_target
 from draftexpert.runtime.experts import STAGING

@@ -13,8 +13,8 @@ from safetensors.torch import save_file
 from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
 
 from baselines.ar import AROffloadDecoder
-from bench.cell import Cell
-from bench.decoders import make_decoder
+from bench.cells.cell import Cell
+from bench.cells.decoders import make_decoder
 from draftexpert.engines.llamacpp import ExpertPages
 from draftexpert.engines.torch_engine import TorchEngine, layer_experts
 from draftexpert.runtime import gguf_experts

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.grid import GridError, collect, read_grid, run_sweep
+from bench.steps.grid import GridError, collect, read_grid, run_sweep
 
 
 def _grid(tmp_path, ckpt, text=None, name="grid.toml"):

@@ -12,7 +12,8 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, DeepseekV3Config, DeepseekV3ForCausalLM
 
 import bench.tiny.train as tr
-from bench import prompts, registry
+from bench.cells import registry
+from bench.suites import prompts
 from bench.tiny import corpus
 from bench.tiny.configs import TINY_CONFIGS
 from bench.tiny.evaluate import evaluate, repeated_ngram_share

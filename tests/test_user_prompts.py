@@ -7,12 +7,12 @@ import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
-from bench import prompts
-from bench.cell import Cell
+from bench.cells.cell import Cell
+from bench.cells.decoders import make_decoder
 from bench.cli import app
-from bench.decoders import make_decoder
-from bench.results import read_records
-from bench.runner import run_cells
+from bench.runs.results import read_records
+from bench.runs.runner import run_cells
+from bench.suites import prompts
 
 
 def _cli(*args):
@@ -45,7 +45,7 @@ BAD = {
 def test_a_bad_prompt_file_names_the_line_and_leaves_nothing(tiny_checkpoint, tmp_path, monkeypatch, name):
     text, words = BAD[name]
     if name == "too-long.jsonl":  # the tiny checkpoint's context: set small, so the prompt alone overflows it
-        monkeypatch.setattr("bench.decoders.context_length", lambda folder, engine: 64)
+        monkeypatch.setattr("bench.cells.decoders.context_length", lambda folder, engine: 64)
     f = tmp_path / name
     f.write_text(text)
     res = _run(tiny_checkpoint, f, tmp_path / "out")

@@ -1,6 +1,6 @@
 """Training corpus for the embedded tiny models (and for distillation): offline prose and code.
 
-Documents come from package archives (see `bench.sources`); the build is deterministic given
+Documents come from package archives (see `bench.suites.sources`); the build is deterministic given
 those archives and this Python's standard library. Every document that shares a 13-word
 sequence with any evaluation prompt (the full pools of all six suites, not only the committed
 subsets) is dropped, and the manifest says how many.
@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from html.parser import HTMLParser
 from pathlib import Path
 
-from bench import prompts
-from bench.sources import Package, deb_version, extract, fetch
+from bench.suites import prompts
+from bench.suites.sources import Package, deb_version, extract, fetch
 
 NGRAM = 13  # contamination n-gram length (words), as in GPT-3's and Llama's decontamination
 VAL_FRACTION = 0.02

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from bench import prompts as suites
+from bench.suites import prompts as suites
 from draftexpert.engines.reference import ReferenceDecoder
 
 

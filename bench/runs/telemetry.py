@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from bench.sources import cache_dir
+from bench.suites.sources import cache_dir
 from draftexpert.engines.llamacpp import build_info
 
 

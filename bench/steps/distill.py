@@ -2,7 +2,7 @@
 training split (never the evaluation prompts: the corpus is decontaminated against them) and
 measure Table 5 on held-out text and prompts.
 
-Where things go: `bench.artifacts.experts_dir` (embedded models beside their weights,
+Where things go: `bench.cells.artifacts.experts_dir` (embedded models beside their weights,
 `models/<name>/draft_experts/<preset>.safetensors` + `.history.jsonl`, `.loss.png`; real models
 under `work/draft_experts/<name>/`).
 Training state (resumable: the same options resume) lives in `work/distill/<name>-<preset>-<options hash>/`.
@@ -19,9 +19,9 @@ import matplotlib
 import matplotlib.pyplot as plt
 import torch
 
-from bench import registry
-from bench.artifacts import WORK, expert_file_for, experts_dir, find_draft_experts
-from bench.prompts import render_prompt
+from bench.cells import registry
+from bench.cells.artifacts import WORK, expert_file_for, experts_dir, find_draft_experts
+from bench.suites.prompts import render_prompt
 from bench.tiny.evaluate import load_split
 from bench.tiny.tokenizer import token_data_for
 from draftexpert import metrics

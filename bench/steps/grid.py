@@ -40,13 +40,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench import prompts, registry
-from bench.artifacts import expert_file_for
-from bench.cell import ENGINES, METHODS, PLATFORMS, SPEC_METHODS, Cell, CellError, SpecOptions
-from bench.decoders import make_decoder
-from bench.progress import Progress
-from bench.results import read_records
-from bench.runner import run_cells
+from bench.cells import registry
+from bench.cells.artifacts import expert_file_for
+from bench.cells.cell import ENGINES, METHODS, PLATFORMS, SPEC_METHODS, Cell, CellError, SpecOptions
+from bench.cells.decoders import make_decoder
+from bench.runs.progress import Progress
+from bench.runs.results import read_records
+from bench.runs.runner import run_cells
+from bench.suites import prompts
 from draftexpert import metrics
 from draftexpert.runtime.gguf_experts import TYPES
 from draftexpert.runtime.loader import HEAD_TYPES

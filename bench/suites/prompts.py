@@ -3,7 +3,7 @@
 Each suite is a JSONL file in `bench/data/prompts/<category>.jsonl`, one record a line:
 `{"id", "category", "source", "source_id", "prompt"}`. `prompt` is the user message; the
 runner renders it with the model's chat template. `build()` rebuilds every file from the
-package archives (see `bench.sources`) and must reproduce the committed bytes exactly.
+package archives (see `bench.suites.sources`) and must reproduce the committed bytes exactly.
 A user who is online may instead load a suite with Hugging Face `datasets` (`hub_loader`), and
 any user may bring their own prompts (`read_prompt_file`: JSONL, CSV or Parquet). Suites travel
 as lists of records or as a `datasets.Dataset` of the same columns (`as_dataset`).
@@ -18,10 +18,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.sources import Package, extract_member
+from bench.suites.sources import Package, extract_member
 
-PROMPTS_DIR = Path(__file__).parent / "data" / "prompts"
-MBPP_PATH = Path(__file__).parent / "data" / "sources" / "mbpp.jsonl"
+PROMPTS_DIR = Path(__file__).parents[1] / "data" / "prompts"
+MBPP_PATH = Path(__file__).parents[1] / "data" / "sources" / "mbpp.jsonl"
 SEED = 20260729
 PER_CATEGORY = 30
 # Summaries are asked of short articles only: the tiny models train on 512-token windows.

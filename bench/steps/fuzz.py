@@ -8,7 +8,7 @@ accelerator cache, llama.cpp's staging, a prompt (a suite prompt, or random toke
 number of new tokens and — on the torch engine, which samples — the temperature and seed, and
 (drawn last, so that adding it left every other draw of a case as it was) the torch engine's head
 type on the CPU platforms. Each
-decoder is built by `bench.decoders.make_decoder`, the factory `bench run` uses.
+decoder is built by `bench.cells.decoders.make_decoder`, the factory `bench run` uses.
 
 Plain decoding is AR with every expert resident on the same weights: the checkpoint's for the
 torch engine's resident and cg platforms, the expert file's (`expert_type`) for mn and for
@@ -29,10 +29,11 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from bench import prompts, registry
-from bench.cell import Cell, SpecOptions
-from bench.decoders import available_device, make_decoder
-from bench.prompts import render_prompt
+from bench.cells import registry
+from bench.cells.cell import Cell, SpecOptions
+from bench.cells.decoders import available_device, make_decoder
+from bench.suites import prompts
+from bench.suites.prompts import render_prompt
 from draftexpert.speculation.config import SpecConfig
 
 SPEC = SpecConfig()
@@ -177,7 +178,7 @@ class Campaign:
         return registry.resolve(case.model) / "draft_experts" / case.draft_experts
 
 
-ZERO = Path("zero")  # the zero draft expert: shared + top-1 (resolved by `bench.artifacts`)
+ZERO = Path("zero")  # the zero draft expert: shared + top-1 (resolved by `bench.cells.artifacts`)
 
 
 def run(engine: str, cases: int, seed: int, only: int | None, expert_file, log, out: Path | None = None) -> dict:

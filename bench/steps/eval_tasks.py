@@ -1,7 +1,7 @@
 """The data and metric behind the suite's offline lm-eval tasks (`bench/data/lm_eval/*.yaml`).
 
 `gsm8k_offline` reads GSM8K's test split from the package archive the prompt suites already use
-(`bench.sources`, cached by `make test` / `bench prompts fetch`); `mbpp_offline` reads the MBPP
+(`bench.suites.sources`, cached by `make test` / `bench prompts fetch`); `mbpp_offline` reads the MBPP
 file committed in `bench/data/sources` (its test split: task ids 11–510, as the original). Both
 are zero-shot (the embedded models' context is short) and otherwise follow lm-eval's own
 `gsm8k` / `mbpp` tasks. MBPP's pass@1 runs the generated code with the task's tests in a fresh,
@@ -18,10 +18,10 @@ from pathlib import Path
 
 import datasets
 
-from bench.prompts import GSM8K, MBPP_PATH, SUITES
-from bench.sources import SourceError, extract_member
+from bench.suites.prompts import GSM8K, MBPP_PATH, SUITES
+from bench.suites.sources import SourceError, extract_member
 
-TASKS_DIR = Path(__file__).parent / "data" / "lm_eval"
+TASKS_DIR = Path(__file__).parents[1] / "data" / "lm_eval"
 OFFLINE_TASKS = {"gsm8k": "gsm8k_offline", "mbpp": "mbpp_offline"}  # `bench eval --tasks` short names
 UNSAFE = {"mbpp_offline"}  # tasks whose metric executes generated code
 MBPP_TEST_IDS = range(11, 511)

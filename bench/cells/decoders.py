@@ -17,9 +17,9 @@ import torch
 from transformers import AutoTokenizer
 
 from baselines.ar import AROffloadDecoder
-from bench.artifacts import experts_dir, llama_head_for, load_draft_experts_for
-from bench.cell import DTYPES, ENGINES, METHODS, PLATFORMS, Cell, CellError, Resolved, SpecOptions
-from bench.prompts import check_prompt_lengths, render_prompt
+from bench.cells.artifacts import experts_dir, llama_head_for, load_draft_experts_for
+from bench.cells.cell import DTYPES, ENGINES, METHODS, PLATFORMS, Cell, CellError, Resolved, SpecOptions
+from bench.suites.prompts import check_prompt_lengths, render_prompt
 from draftexpert.engines.llamacpp import ExpertPages, LlamaEngine, LlamaModel, require_llama_cpp
 from draftexpert.engines.reference import ReferenceDecoder
 from draftexpert.engines.torch_engine import TorchEngine

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer
 
-from bench.prompts import render_prompt
+from bench.suites.prompts import render_prompt
 from draftexpert.engines.llamacpp import LlamaModel
 from draftexpert.runtime.loader import build_model
 from draftexpert.runtime.model import KVCache, router_scores

@@ -2,7 +2,7 @@
 
 `DraftExpertLM` is an `lm_eval.api.model.LM` (`@register_model("draftexpert")`):
 - `generate_until` decodes through any of the suite's decoders — `ar` (AR offload), `top-r`,
-  `draftexpert` — on either engine and platform (`bench.decoders.make_decoder`). The requests go
+  `draftexpert` — on either engine and platform (`bench.cells.decoders.make_decoder`). The requests go
   through the runner into a run folder (one record per request, keyed by task, doc and a digest
   of the context), so an interrupted evaluation resumes and every record carries the decoder's
   counters (TPS, α, loads). The text is the decoded tokens cut at the first stop string.
@@ -11,9 +11,9 @@
   how tokens are found, never the distribution, so scores are the same for every method.
 
 lm-eval 0.4 has no entry point for models of other packages: the model exists once this module
-is imported. `python -m bench.evaluation ARGS` is lm-eval's own command line with it registered
+is imported. `python -m bench.steps.evaluation ARGS` is lm-eval's own command line with it registered
 (`--model draftexpert --model_args model=ds-tiny,method=draftexpert,platform=mn --tasks
-gsm8k_offline --include_path bench/data/lm_eval`); from Python, `import bench.evaluation` then
+gsm8k_offline --include_path bench/data/lm_eval`); from Python, `import bench.steps.evaluation` then
 `lm_eval.simple_evaluate(model="draftexpert", ...)`.
 
 `evaluate` (`bench eval`) runs each method on the same task samples and reports, per task and
@@ -37,13 +37,13 @@ from lm_eval.api.registry import register_model
 from lm_eval.tasks import TaskManager
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
-from bench import registry
-from bench.artifacts import expert_file_for
-from bench.cell import build
-from bench.decoders import context_length, make_decoder
-from bench.eval_tasks import OFFLINE_TASKS, TASKS_DIR, UNSAFE
-from bench.results import read_records, write_json_atomic
-from bench.runner import run_cells
+from bench.cells import registry
+from bench.cells.artifacts import expert_file_for
+from bench.cells.cell import build
+from bench.cells.decoders import context_length, make_decoder
+from bench.runs.results import read_records, write_json_atomic
+from bench.runs.runner import run_cells
+from bench.steps.eval_tasks import OFFLINE_TASKS, TASKS_DIR, UNSAFE
 from draftexpert import metrics
 from draftexpert.runtime.loader import build_model
 from draftexpert.runtime.model import KVCache

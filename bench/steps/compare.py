@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bench.cell import Cell
-from bench.decoders import make_decoder
-from bench.readcap import ReadCap
-from bench.results import read_records
-from bench.runner import run_cells
+from bench.cells.cell import Cell
+from bench.cells.decoders import make_decoder
+from bench.runs.readcap import ReadCap
+from bench.runs.results import read_records
+from bench.runs.runner import run_cells
 from draftexpert import metrics
 from draftexpert.runtime.params import WontFit
 
@@ -59,7 +59,7 @@ def compare(base: Cell, folder: Path, prompts: list[dict], out_dir: Path, expert
             caps: list[int | None] | None = None) -> dict:
     """One set's methods through the runner, then one row per method from the records. Each method's
     cell is `base` with the set's overrides; `base.read_bw` caps the storage reads of every cell
-    (`bench.readcap`); the `regime` set repeats Table 2's methods under each of `caps` (default
+    (`bench.runs.readcap`); the `regime` set repeats Table 2's methods under each of `caps` (default
     REGIME_CAPS), each cap in its own sub-folder."""
     platform, read_bw = base.platform, base.read_bw
     if method_set == "regime":

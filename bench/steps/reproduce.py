@@ -13,7 +13,6 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer
 
-import bench.crosscheck
 import paper_figs.engines
 import paper_figs.fig2
 import paper_figs.fig3
@@ -21,24 +20,27 @@ import paper_figs.fig45
 import paper_figs.regime
 import paper_figs.spec_table
 import paper_figs.table1
-from bench import distill as bd
-from bench import prompts, registry, speed
-from bench.artifacts import dense_counterpart_for, expert_file_for, llama_head_for
-from bench.cell import Cell
-from bench.compare import REGIME_CAPS, compare, measured_read_bw
-from bench.decoders import available_device, make_decoder
-from bench.prompts import render_prompt
-from bench.readcap import ReadCap, ReadCapError
-from bench.results import load_results, write_json_atomic
-from bench.runner import run_cells
-from bench.sweep import verify_sweep
-from bench.telemetry import collect, expert_storage, machine_id
+from bench.cells import registry
+from bench.cells.artifacts import dense_counterpart_for, expert_file_for, llama_head_for
+from bench.cells.cell import Cell
+from bench.cells.decoders import available_device, make_decoder
+from bench.runs.readcap import ReadCap, ReadCapError
+from bench.runs.results import load_results, write_json_atomic
+from bench.runs.runner import run_cells
+from bench.runs.telemetry import collect, expert_storage, machine_id
+from bench.steps import distill as bd
+from bench.steps import speed
+from bench.steps.compare import REGIME_CAPS, compare, measured_read_bw
+from bench.steps.crosscheck import crosscheck as crosscheck_engines
+from bench.steps.sweep import verify_sweep
+from bench.suites import prompts
+from bench.suites.prompts import render_prompt
 from draftexpert import metrics
 from draftexpert.engines.llamacpp import LlamaCppError, require_llama_cpp
 from draftexpert.runtime.checkpoint import weights_fingerprint
 from draftexpert.runtime.loader import build_model
 from draftexpert.runtime.params import breakdown
-from paper_figs import fig1a, fig1b
+from paper_figs import captions, fig1a, fig1b
 
 # What the paper has that this checkout cannot regenerate on a machine without a GPU, and what brings it.
 PENDING_WITHOUT_GPU = [
@@ -82,7 +84,7 @@ def fig1b_runs(results_dir: Path, log, per_suite: int = FIG1B_PER_SUITE, tokens:
 
 def _compare_set(results_dir: Path, log, model: str, per_suite: int, tokens: int, method_set: str,
                    engine: str = "torch", platform: str = "mn", device: str | None = None) -> dict:
-    """One `bench compare` set for a tiny model on mn (Q4_0, K_max = 4, τ = 0.6, B = 24; resumable),
+    """One `bench compare` set for a tiny model on mn (Q4_0, the library's default round settings; resumable),
     its per-prompt tokens dropped from the result; `platform` cg moves the checkpoint's experts from
     host memory to `device` instead (the same round settings)."""
     torch.set_num_threads(FIG1B_THREADS)
@@ -112,26 +114,10 @@ def spec_compare(results_dir: Path, log, per_suite: int = FIG1B_PER_SUITE, token
     for model in models:
         res = _compare_set(results_dir, log, model, per_suite, tokens, "table2", engine=engine, platform=platform,
                            device=device)
-        de = res["methods"]["draftexpert"]["method_args"]["draft_experts"]
-        de = ("untrained (zero: shared + top-1)" if de["preset"] == "zero"
-              else f"distilled, preset {de['preset']} ({de['file']})")
-        bw = (res["limit_read_bw"] or 0) / 1e9
-        if platform == "cg":
-            where = f"({device or 'cuda'}: experts in page-locked host memory, copied on demand, cold; fp32 compute)"
-            bound, limit = f" on the same {device or 'cuda'}", f"the measured copy-in rate ({bw:.1f} GB/s)"
-        else:
-            where = ("(Q4_0 experts from flash with O_DIRECT, whole experts on demand, cold)" if engine == "torch" else
-                     "through llama.cpp (Q4_0 GGUF, experts staged from storage: "
-                     f"{res['methods']['ar']['method_args']['staging']})")
-            bound, limit = "", f"the storage's measured read bandwidth ({bw:.2f} GB/s, O_DIRECT)"
         name = f"spec_compare_{model}_{platform}{tag}"
         write_json_atomic(results_dir / f"{name}.json", res)
         (results_dir / f"{name}.md").write_text(
-            f"{model} on {platform} {where}, {per_suite} prompts per suite, "
-            f"{tokens} new tokens, greedy, K_max = 4, τ = 0.6, B = 24, {FIG1B_THREADS} thread; DraftExpert's draft "
-            f"experts: {de}. `ar-resident`: AR with every expert resident{bound} (the upper bound); limit TPS = "
-            f"{limit} ÷ bytes moved per token. Tokens equal AR: {res['tokens_equal_ar']}.\n\n"
-            + paper_figs.spec_table.table(res) + "\n")
+            captions.spec_compare_page(res, per_suite, tokens, FIG1B_THREADS, device))
         written += [f"results/runs/compare-{model}-{platform}{engine_tag.replace('_', '-')}/*", f"results/{name}.md",
                     f"results/{name}.json"]
     return written
@@ -153,9 +139,7 @@ def fig2(results_dir: Path, log, models: tuple[str, ...] = TINY_MODELS) -> list[
         runs.append(f"results/runs/compare-{model}-mn")
     machine = _machine_id(results_dir)
     (results_dir / "fig2_tradeoff.md").write_text(
-        "Fig. 2 from Table 2/3's runs on mn (torch engine, Q4_0, cold, K = 4, fixed-K top-r without prefetch; "
-        f"DraftExpert with truncation and prefetch), {', '.join(runs)}; the paper's values beside ours.\n\n"
-        + "\n".join(f"### {m}\n\n" + paper_figs.fig2.table(p) for m, p in per_model.items()))
+        captions.fig2_page({m: paper_figs.fig2.table(p) for m, p in per_model.items()}, runs))
     figs = paper_figs.fig2.figure(per_model, results_dir / "figures" / "fig2_tradeoff",
                                   f"{', '.join(runs)}; machine {machine}")
     log("Fig. 2 written")
@@ -166,9 +150,7 @@ def table1(results_dir: Path, log) -> list[str]:
     """Table 1 from the machine records of every run under results/runs, the paper's two platforms beside."""
     manifests = [json.loads(p.read_text()) for p in sorted((results_dir / "runs").rglob("manifest.json"))]
     (results_dir / "table1_platforms.md").write_text(
-        f"Table 1 from the machine records of {len(manifests)} runs under results/runs (one column per platform "
-        "measured), the paper's two platforms beside them.\n\n"
-        + paper_figs.table1.table(paper_figs.table1.columns(manifests)))
+        captions.table1_page(len(manifests), paper_figs.table1.table(paper_figs.table1.columns(manifests))))
     log("Table 1 written")
     return ["results/table1_platforms.md"]
 
@@ -181,7 +163,7 @@ def crosscheck(results_dir: Path, log, per_suite: int | None = None, tokens: int
     for model in models:
         folder = registry.resolve(model)
         head = llama_head_for(model, folder, "f32", expert_file_for(model, folder, "f32", log=log), log=log)
-        res = bench.crosscheck.crosscheck(folder, prompts.load(limit=per_suite), head, tokens, FIG1B_THREADS, log=log)
+        res = crosscheck_engines(folder, prompts.load(limit=per_suite), head, tokens, FIG1B_THREADS, log=log)
         res.update(model=model, type="f32", max_new_tokens=tokens)
         write_json_atomic(results_dir / f"crosscheck_{model}.json", res)
         written.append(f"results/crosscheck_{model}.json")
@@ -193,16 +175,11 @@ def table4(results_dir: Path, log, per_suite: int = FIG1B_PER_SUITE, tokens: int
     """Table 4 on mn: DraftExpert with fixed K, confidence–expansion truncation, and + prefetch."""
     written = []
     tag = "_llama.cpp" if engine == "llama.cpp" else ""
-    where = "through llama.cpp (Q4_0 GGUF, whole experts staged on demand from the router tap)" \
-        if engine == "llama.cpp" else "(Q4_0 experts from flash, cold)"
     for model in models:
         res = _compare_set(results_dir, log, model, per_suite, tokens, "table4", engine=engine)
         write_json_atomic(results_dir / f"table4_{model}_mn{tag}.json", res)
-        (results_dir / f"table4_{model}_mn{tag}.md").write_text(
-            f"{model} on mn {where}, {per_suite} prompts per suite, {tokens} new tokens, "
-            f"greedy, K_max = 4, τ = 0.6, B = 24, distilled draft experts, {FIG1B_THREADS} thread. Verify cost = wall "
-            f"seconds per verify forward / per AR forward. Tokens equal AR: {res['tokens_equal_ar']}.\n\n"
-            + paper_figs.spec_table.table4(res) + "\n")
+        (results_dir / f"table4_{model}_mn{tag}.md").write_text(captions.table4_page(res, per_suite, tokens,
+                                                                                     FIG1B_THREADS))
         written += [f"results/table4_{model}_mn{tag}.md", f"results/table4_{model}_mn{tag}.json"]
     return written
 
@@ -231,11 +208,7 @@ def engines(results_dir: Path, log, tokens: int = FIG1B_TOKENS, models: tuple[st
                                 lambda qt: expert_file_for(model, folder, qt, log=log), tokens, rounds,
                                 read_bw=read_bw, log=log)
             write_json_atomic(path, res)
-        (results_dir / f"engines_{model}_mn.md").write_text(
-            f"{model} on mn, Q4_0 experts from one file, {res['prompts']} prompts (one per suite) × {tokens} new "
-            f"tokens, greedy, {FIG1B_THREADS} thread, {res['rounds']} interleaved rounds, each configuration "
-            f"loaded afresh per round; machine {res['machine_id']}; `bench speed engines --model {model} "
-            f"--max-new-tokens {tokens} --rounds {res['rounds']}`.\n\n" + paper_figs.engines.table(res) + "\n")
+        (results_dir / f"engines_{model}_mn.md").write_text(captions.engines_page(res, model, tokens, FIG1B_THREADS))
         written += [f"results/engines_{model}_mn.md", f"results/engines_{model}_mn.json"]
     return written
 
@@ -249,9 +222,7 @@ def fig3(results_dir: Path, log, per_suite: int = FIG1B_PER_SUITE, tokens: int =
         curves = {label.removesuffix("-k8"): row["draft_unique_curve"] for label, row in res["methods"].items()
                   if label != "ar"}
         (results_dir / f"fig3_{model}_mn.md").write_text(
-            f"{model}: drafter's cumulative unique routed layer-experts vs draft length j (K = 8 fixed, greedy, "
-            f"{per_suite} prompts per suite, {tokens} new tokens; tokens equal AR: "
-            f"{all(res['tokens_equal_ar'].values())}).\n\n" + paper_figs.fig3.table(curves))
+            captions.fig3_page(model, curves, per_suite, tokens, all(res["tokens_equal_ar"].values())))
         cfg = json.loads((registry.resolve(model) / "config.json").read_text())
         moe = cfg["num_hidden_layers"] - cfg["first_k_dense_replace"]
         figs = paper_figs.fig3.figure(curves, results_dir / "figures" / f"fig3_{model}",
@@ -294,11 +265,7 @@ def fig45(results_dir: Path, log, per_suite: int = FIG1B_PER_SUITE, quick: bool 
             "model": model, "machine": machine["machine_id"], "rows": rows, "curves": c,
             "dense": {"what": paper_figs.fig45.DENSE_LABEL, "rows": dense_rows, "curves": d}})
         (results_dir / f"fig45_{model}_mn.md").write_text(
-            f"{model} on mn (Q4_0 experts from flash, cold store before each forward, torch engine), {len(ids)} "
-            f"prompts, blocks of the target's own greedy continuation at starts {starts}, {FIG1B_THREADS} thread, "
-            f"machine {machine['machine_id']}. Dense: {paper_figs.fig45.DENSE_LABEL}, swept over the same blocks, "
-            f"its cost normalised to its own one-token step. Paper: {paper_figs.fig45.paper_note(model)}\n\n"
-            + paper_figs.fig45.table(per_model[model]))
+            captions.fig45_page(model, per_model[model], len(ids), starts, FIG1B_THREADS, machine["machine_id"]))
     figs = paper_figs.fig45.figure(per_model, results_dir / "figures" / "fig45_verify_block",
                          f"results/fig45_{{{','.join(models)}}}_mn.json, machine {machine['machine_id']}")
     return [*(f"results/fig45_{m}_mn.{ext}" for m in per_model for ext in ("md", "json")),
@@ -341,10 +308,7 @@ def regime(results_dir: Path, log, per_suite: int = REGIME_PER_SUITE, tokens: in
         stem = f"regime_{REGIME_MODEL}_mn{tag.replace('-', '_')}"
         write_json_atomic(results_dir / f"{stem}.json", res)
         (results_dir / f"{stem}.md").write_text(
-            f"{per_suite} prompt(s) per suite, {tokens} new tokens, greedy, Q4_0, K_max = 4, τ = 0.6, "
-            f"B = 24, {FIG1B_THREADS} thread, machine {machine['machine_id']}; `bench compare --set regime --model "
-            f"{REGIME_MODEL} --engine {engine} --limit {per_suite} --max-new-tokens {tokens} --threads "
-            f"{FIG1B_THREADS}`.\n\n" + paper_figs.regime.table(res))
+            captions.regime_page(res, per_suite, tokens, FIG1B_THREADS, machine["machine_id"]))
         written += [f"results/runs/regime-{REGIME_MODEL}-mn{tag}/*", f"results/{stem}.md", f"results/{stem}.json"]
     figs = paper_figs.regime.figure(results, results_dir / "figures" / f"regime_{REGIME_MODEL}",
                          f"results/runs/regime-{REGIME_MODEL}-mn{{,-llama.cpp}}, machine {machine['machine_id']}")
@@ -370,10 +334,8 @@ def table5(results_dir: Path, log, per_suite: int, tokens: int, quick: bool = Fa
             log(f"Table 5 skipped: {e}")
             return written
         write_json_atomic(results_dir / f"table5_{model}.json", res)
-        (results_dir / f"table5_{model}.md").write_text(
-            f"{model}: held-out validation windows ({res['held_out_windows']} × {res['seq_len']} tokens) and "
-            f"{res['prompts']} prompts ({per_suite} per suite, {tokens} new tokens), DraftExpert at K = 4, greedy, "
-            "no truncation, prefetch on, cold host store.\n\n" + bd.report(res) + "\n")
+        (results_dir / f"table5_{model}.md").write_text(captions.table5_page(res, model, per_suite, tokens,
+                                                                             bd.report(res)))
         written += [f"results/table5_{model}.md", f"results/table5_{model}.json"]
     return written
 

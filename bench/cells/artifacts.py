@@ -19,8 +19,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from bench import registry
-from bench.sources import cache_dir
+from bench.cells import registry
+from bench.suites.sources import cache_dir
 from draftexpert.engines.llama_gguf import link_experts, split_name, write_head
 from draftexpert.runtime.checkpoint import write_dense_counterpart
 from draftexpert.runtime.gguf_experts import checksum_path, verify_checksums

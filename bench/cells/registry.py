@@ -19,8 +19,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-FACTS_DIR = Path(__file__).parent / "model_facts"
+REPO_ROOT = Path(__file__).resolve().parents[2]
+FACTS_DIR = Path(__file__).parents[1] / "model_facts"
 EMBEDDED_DIR = REPO_ROOT / "models"
 ENV_VAR = "DRAFTEXPERT_MODELS"
 

@@ -4,7 +4,7 @@ A `Cell` says what is decoded (model, method and its `SpecOptions`), where (plat
 and how the experts are held and moved (store and placement options). Its choices are checked
 once, when it is built; the rules of which options apply to which cells are data (`RULES`) that
 every entry point uses (the CLI only reports them); its defaults are the library's own
-(`SpecConfig`). `bench.decoders.make_decoder(cell, folder)` builds its decoder, and
+(`SpecConfig`). `bench.cells.decoders.make_decoder(cell, folder)` builds its decoder, and
 `Cell.config(resolved)` the record key's configuration, so a new option touches this file and the
 code that uses it.
 """
@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Literal, get_args
 
-from bench.runner import CellConfig
+from bench.runs.runner import CellConfig
 from draftexpert.engines.llamacpp import STAGING as LLAMA_STAGING
 from draftexpert.runtime.experts import STAGING as TORCH_STAGING
 from draftexpert.runtime.ggml_kernel import KERNELS
@@ -117,7 +117,7 @@ class Cell:
     cache_experts: int = 0  # experts kept on the accelerator between forwards (0: the paper's cold setting)
     staging_budget: int = 0  # mn: bytes of raw experts kept staged in DRAM between steps
     staging: str = "demand"  # mn: how experts come from storage (STAGINGS per engine)
-    read_bw: int | None = None  # mn: the storage's read cap, bytes/s (`bench.readcap`)
+    read_bw: int | None = None  # mn: the storage's read cap, bytes/s (`bench.runs.readcap`)
     resident_from_file: bool = False  # resident: hold the expert file's experts (the same model as mn's)
     # torch engine: placement and numerics
     device: Device | None = None  # cg: cuda (default) | cpu; resident: cpu (default) | cuda

@@ -19,10 +19,10 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from bench.progress import Progress
-from bench.prompts import render_prompt
-from bench.results import RecordWriter, RunFolderError, RunManifest, cell_key, config_hash
-from bench.telemetry import machine_id
+from bench.runs.progress import Progress
+from bench.suites.prompts import render_prompt
+from bench.runs.results import RecordWriter, RunFolderError, RunManifest, cell_key, config_hash
+from bench.runs.telemetry import machine_id
 from draftexpert import metrics
 from draftexpert.decoding import ContextOverflow, Decoder, check_context
 

@@ -30,10 +30,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from baselines.ar import AROffloadDecoder
-from bench.cell import Cell
-from bench.decoders import make_decoder
-from bench.prompts import render_prompt
-from bench.telemetry import machine_id, odirect_read_bandwidth
+from bench.cells.cell import Cell
+from bench.cells.decoders import make_decoder
+from bench.runs.telemetry import machine_id, odirect_read_bandwidth
+from bench.suites.prompts import render_prompt
 from draftexpert.engines.llamacpp import LlamaModel
 from draftexpert.engines.torch_engine import TorchEngine
 from draftexpert.runtime.checkpoint import weights_fingerprint
