@@ -374,7 +374,7 @@ def convert(model: ModelOpt = "ds-tiny",
     split 2 — and, with --drafter, the DraftExpert drafter's head over the same split 2.
     shared+top-r needs no file of its own: it is the target loaded with expert_used_count = r."""
     from bench.cells.artifacts import llama_head_for, load_draft_experts_for
-    from draftexpert.runtime.gguf_experts import TYPES
+    from draftexpert.runtime.gguf_layout import TYPES
     from draftexpert.runtime.loader import CheckpointError
     from draftexpert.training.distill import DistillError
 
@@ -478,7 +478,7 @@ def _named_errors():
     from bench.runs.readcap import ReadCapError
     from bench.runs.results import RunFolderError
     from draftexpert.engines.llamacpp import LlamaCppError
-    from draftexpert.runtime.gguf_experts import ExpertFileError
+    from draftexpert.runtime.gguf_layout import ExpertFileError
     from draftexpert.runtime.loader import CheckpointError
 
     try:
@@ -905,7 +905,7 @@ def speed_convert(model: ModelOpt = "ds",
     """Peak memory of the streaming expert-file writer on random layers of a model's expert shapes
     (config only: no weights needed); the file is deleted."""
     from bench.steps import speed
-    from draftexpert.runtime.gguf_experts import TYPES
+    from draftexpert.runtime.gguf_layout import TYPES
 
     check_model(model)
     if qtype not in TYPES:

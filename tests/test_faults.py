@@ -22,7 +22,7 @@ from bench.runs.runner import context_overflows, run_cells
 from bench.suites import prompts
 from bench.suites.prompts import render_prompt
 from draftexpert.decoding import ContextOverflow, NonFiniteLogits, sample
-from draftexpert.runtime.gguf_experts import checksum_path, verify_checksums
+from draftexpert.runtime.gguf_checksums import checksum_path, verify_checksums
 from tests.conftest import BENCH, REPO, run_bench
 
 

@@ -9,13 +9,10 @@ import torch
 from typer.testing import CliRunner
 
 from bench.cli import app
-from draftexpert.runtime.gguf_experts import (
-    ExpertFile,
-    ExpertFileError,
-    checksum_path,
-    verify_checksums,
-    write_expert_gguf,
-)
+from draftexpert.runtime.gguf_checksums import checksum_path, verify_checksums
+from draftexpert.runtime.gguf_experts import ExpertFile
+from draftexpert.runtime.gguf_layout import ExpertFileError
+from draftexpert.runtime.gguf_write import write_expert_gguf
 
 META = {"n_layer": 3, "first_dense": 1, "n_expert": 4, "n_embd": 64, "n_ff_exp": 32}
 

@@ -17,10 +17,12 @@ from bench.cells.cell import Cell
 from bench.cells.decoders import make_decoder
 from draftexpert.engines.llamacpp import ExpertPages
 from draftexpert.engines.torch_engine import TorchEngine, layer_experts
-from draftexpert.runtime import gguf_experts
+from draftexpert.runtime import gguf_decode
 from draftexpert.runtime.checkpoint import write_dense_counterpart
 from draftexpert.runtime.ggml_kernel import KernelError, expert_mlp, q4_0_linear, quantize_q4_0, resolve_kernel
-from draftexpert.runtime.gguf_experts import ExpertFile, ExpertFileError, decode
+from draftexpert.runtime.gguf_decode import decode
+from draftexpert.runtime.gguf_experts import ExpertFile
+from draftexpert.runtime.gguf_layout import ExpertFileError
 from draftexpert.runtime.ledger import Ledger
 from draftexpert.runtime.loader import (
     Checkpoint,
@@ -193,7 +195,7 @@ def test_q4_0_dequantisers_agree_with_the_gguf_reference():
     buf = bytearray(blocks.tobytes())
     want = torch.from_numpy(gguf.quants.dequantize(blocks.reshape(rows, -1), gguf.GGMLQuantizationType.Q4_0).copy())
     assert torch.equal(decode(buf, 0, len(buf), "q4_0", (rows, cols), "cpu", torch.float32, use_ggml=False), want)
-    if gguf_experts._Q4_0 is None:
+    if gguf_decode._Q4_0 is None:
         pytest.skip("llama-cpp-python is not installed: no ggml dequantiser to compare")
     assert torch.equal(decode(buf, 0, len(buf), "q4_0", (rows, cols), "cpu", torch.float32), want)
 

@@ -2,7 +2,7 @@
 split 2 of the llama.cpp model), the llama.cpp heads (split 1: a target's or a DraftExpert
 drafter's), and where a model's distilled draft experts live.
 
-Every GGUF written here carries per-tensor checksums (`gguf_experts.verify_checksums`); a cached
+Every GGUF written here carries per-tensor checksums (`gguf_checksums.verify_checksums`); a cached
 file is checked before it is used — cheaply when unchanged since its last check — and a damaged
 or unfinished one is rebuilt, never used.
 
@@ -23,7 +23,7 @@ from bench.cells import registry
 from bench.suites.sources import cache_dir
 from draftexpert.engines.llama_gguf import link_experts, split_name, write_head
 from draftexpert.runtime.checkpoint import write_dense_counterpart
-from draftexpert.runtime.gguf_experts import checksum_path, verify_checksums
+from draftexpert.runtime.gguf_checksums import checksum_path, verify_checksums
 from draftexpert.runtime.loader import convert_experts
 from draftexpert.training.distill import load_draft_experts
 

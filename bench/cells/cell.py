@@ -19,7 +19,7 @@ from bench.runs.runner import CellConfig
 from draftexpert.engines.llamacpp import STAGING as LLAMA_STAGING
 from draftexpert.runtime.experts import STAGING as TORCH_STAGING
 from draftexpert.runtime.ggml_kernel import KERNELS
-from draftexpert.runtime.gguf_experts import TYPES
+from draftexpert.runtime.gguf_layout import TYPES
 from draftexpert.runtime.loader import HEAD_TYPES
 from draftexpert.speculation.config import BUDGET_MODES, DRAFT_CACHES, SpecConfig
 

@@ -49,7 +49,7 @@ from bench.runs.results import read_records
 from bench.runs.runner import run_cells
 from bench.suites import prompts
 from draftexpert import metrics
-from draftexpert.runtime.gguf_experts import TYPES
+from draftexpert.runtime.gguf_layout import TYPES
 from draftexpert.runtime.loader import HEAD_TYPES
 
 GRID_KEYS = {"model", "model_path", "platform", "engine", "method", "expert_type", "device", "dtype", "head_type"}

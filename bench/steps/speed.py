@@ -38,7 +38,8 @@ from draftexpert.engines.llamacpp import LlamaModel
 from draftexpert.engines.torch_engine import TorchEngine
 from draftexpert.runtime.checkpoint import weights_fingerprint
 from draftexpert.runtime.experts import FlashStore
-from draftexpert.runtime.gguf_experts import ExpertFile, write_expert_gguf
+from draftexpert.runtime.gguf_experts import ExpertFile
+from draftexpert.runtime.gguf_write import write_expert_gguf
 from draftexpert.runtime.loader import build_model
 
 

@@ -35,7 +35,8 @@ import numpy as np
 import torch
 from transformers import AutoTokenizer
 
-from draftexpert.runtime.gguf_experts import ARCH, PARTS, TYPES, _qtype, add_tensor, finish_atomic
+from draftexpert.runtime.gguf_checksums import add_tensor, finish_atomic
+from draftexpert.runtime.gguf_layout import ARCH, PARTS, TYPES, qtype_of
 from draftexpert.runtime.loader import Checkpoint, load_config
 
 N_SPLITS = 2
@@ -54,7 +55,7 @@ def _encode(arr: np.ndarray, qtype: str, keep_f32: bool):
         return arr.astype(np.float16), None
     if qtype == "bf16" or arr.shape[-1] % 32:
         return arr.astype(np.float32), None  # no bf16 head weights; a partial Q4_0 block stays f32
-    return gguf.quants.quantize(arr.astype(np.float32), _qtype(qtype)), _qtype(qtype)
+    return gguf.quants.quantize(arr.astype(np.float32), qtype_of(qtype)), qtype_of(qtype)
 
 
 def _vocab(folder: Path, vocab_size: int):

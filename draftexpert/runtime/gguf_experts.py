@@ -1,4 +1,5 @@
-"""Routed experts in a GGUF file, in llama.cpp's own tensor layout, read whole per expert.
+"""Reading a GGUF expert file: its index, single experts read whole (readahead + buffered, or
+O_DIRECT) into pooled staging buffers, staged copies, and their decode into tensors.
 
 Layout (llama.cpp's deepseek2 names, its fused gate/up form): per MoE layer l,
 `blk.l.ffn_gate_up_exps.weight` [E, 2I, H] (expert e's gate rows, then its up rows) and
@@ -15,25 +16,11 @@ slices are already aligned and Q4_0 slices cost at most one extra page a read). 
 llama.cpp's layout means the same file serves llama.cpp (platform mn's second engine) as split 2 of the model
 (`split.no = 1`; `llama_gguf` writes split 1, the head).
 
-Integrity: every file this module's writers produce has a sidecar `<file>.sha256.json` with the
-sha256 of each tensor's bytes, written when the file is complete (a file without it is
-unfinished). `verify_checksums` reads the tensors back and compares; it records the file's
-size, mtime and inode when they match, so the next open checks only those (cheap) and reads
-everything again only when the file has changed since — or when asked (`full=True`, what
-`bench convert --verify` does).
-
-Types: F32, F16, BF16, Q4_0 (18-byte blocks of 32 weights: an f16 scale d, then 16 bytes whose low
-nibbles are weights 0–15 and high nibbles 16–31; w = d · (q − 8)), bit-identical to llama.cpp's.
-Q4_0 is dequantised by ggml's own `dequantize_row_q4_0` (the format's reference code, from the
-llama-cpp-python package, through ctypes: it releases the GIL, so the reader threads dequantise
-in parallel; measured ~4× faster than the same arithmetic as torch ops on this CPU), else by
-torch ops — the two are tested equal.
+A file this suite wrote is checked against its checksums before it is read (`gguf_checksums`); it is
+written by `gguf_write` and its bytes decoded by `gguf_decode`.
 """
 from __future__ import annotations
 
-import ctypes
-import hashlib
-import json
 import mmap
 import os
 import queue
@@ -41,175 +28,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import gguf
-import numpy as np
 import torch
-from gguf import GGMLQuantizationType as Q
 
-from draftexpert.runtime.ggml_kernel import ggml_library
-
-ALIGN = 4096
-ARCH = "deepseek2"
-TYPES = ("f32", "f16", "bf16", "q4_0")
-PARTS = ("gate_up", "down")
-
-
-class ExpertFileError(RuntimeError):
-    """The GGUF file is missing, truncated, corrupt, or not an expert file this runtime can read."""
-
-
-def _qtype(name: str):
-    return {"f32": Q.F32, "f16": Q.F16, "bf16": Q.BF16, "q4_0": Q.Q4_0}[name]
-
-
-def write_expert_gguf(path: Path, experts, meta: dict, qtype: str = "q4_0") -> Path:
-    """Write experts into `path` (atomically), streaming: every tensor's shape is known from
-    `meta` (n_layer, n_expert, n_embd, n_ff_exp, first_dense), so the header and tensor infos go
-    first and each layer's tensors are encoded and written as `experts` yields them — (layer,
-    gate_up [E, 2I, H], down [E, H, I]) float tensors, MoE layers in order. Memory stays at one
-    layer (DS-V2-Lite: ~2 GiB in fp32), never the whole file (26.8 GiB in bf16)."""
-    if qtype not in TYPES:
-        raise ValueError(f"unsupported expert type {qtype!r}; choose one of {', '.join(TYPES)}")
-    E, H, inter = meta["n_expert"], meta["n_embd"], meta["n_ff_exp"]
-    if qtype == "q4_0" and (H % 32 or inter % 32):
-        raise ValueError(f"Q4_0 quantises rows in blocks of 32 weights: hidden {H} and "
-                         f"moe_intermediate {inter} must both be multiples of 32 (use f16 or bf16)")
-    path = Path(path)
-    tmp = path.with_name(path.name + ".part")
-    digests: dict[str, str] = {}
-    w = gguf.GGUFWriter(str(tmp), ARCH)
-    w.add_custom_alignment(ALIGN)
-    w.add_uint16(gguf.Keys.Split.LLM_KV_SPLIT_NO, 1)  # split 2 of the llama.cpp model (llama_gguf)
-    w.add_uint16(gguf.Keys.Split.LLM_KV_SPLIT_COUNT, 2)
-    w.add_block_count(meta["n_layer"])
-    w.add_embedding_length(H)
-    w.add_expert_count(E)
-    w.add_expert_feed_forward_length(inter)
-    w.add_leading_dense_block_count(meta["first_dense"])
-    w.add_file_type({"f32": 0, "f16": 1, "bf16": 32, "q4_0": 2}[qtype])
-    w.add_string("draftexpert.content", "routed experts")
-    qt = _qtype(qtype)
-    shapes = {"gate_up": (E, 2 * inter, H), "down": (E, H, inter)}
-    plan = [(layer, part) for layer in range(meta["first_dense"], meta["n_layer"]) for part in PARTS]
-    for layer, part in plan:  # numpy order; element shapes, byte counts of the encoded type
-        shape = shapes[part]
-        n = int(np.prod(shape))
-        nbytes = {"f32": 4 * n, "f16": 2 * n, "bf16": 2 * n, "q4_0": n // 32 * 18}[qtype]
-        dtype = {"f32": np.float32, "f16": np.float16}.get(qtype, np.float32)
-        w.add_tensor_info(f"blk.{layer}.ffn_{part}_exps.weight", shape, dtype, nbytes,
-                          raw_dtype=qt if qtype in ("bf16", "q4_0") else None)
-    try:
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_ti_data_to_file()
-        todo = iter(plan)
-        for layer, gate_up, down in experts:
-            for part, t in (("gate_up", gate_up), ("down", down)):
-                if next(todo, None) != (layer, part):
-                    raise ValueError(f"expert tensors out of order: layer {layer} {part} was not expected next")
-                arr = t.detach().float().contiguous().numpy()
-                data = (arr if qtype == "f32" else arr.astype(np.float16) if qtype == "f16"
-                        else gguf.quants.quantize(arr, qt))
-                data = np.ascontiguousarray(data)
-                digests[f"blk.{layer}.ffn_{part}_exps.weight"] = _digest(data)
-                w.write_tensor_data(data)
-            del gate_up, down
-        if next(todo, None) is not None:
-            raise ValueError("the checkpoint yielded fewer MoE layers than its config declares")
-        w.close()
-        return _publish(tmp, path, digests)
-    finally:
-        w.close()
-        tmp.unlink(missing_ok=True)  # written and renamed, or abandoned: no half file stays
-
-
-def _digest(arr: np.ndarray) -> str:
-    return hashlib.sha256(np.ascontiguousarray(arr).view(np.uint8).reshape(-1)).hexdigest()
-
-
-def add_tensor(w, digests: dict[str, str], name: str, arr: np.ndarray, raw_dtype=None) -> None:
-    """GGUFWriter.add_tensor, remembering the sha256 of the bytes it will write."""
-    arr = np.ascontiguousarray(arr)
-    digests[name] = _digest(arr)
-    w.add_tensor(name, arr, raw_dtype=raw_dtype) if raw_dtype is not None else w.add_tensor(name, arr)
-
-
-def checksum_path(path: Path) -> Path:
-    return Path(path).with_name(Path(path).name + ".sha256.json")
-
-
-def _stamp(path: Path) -> list[int]:
-    st = os.stat(path)
-    return [st.st_size, st.st_mtime_ns, st.st_ino]
-
-
-def finish_atomic(w, tmp: Path, path: Path, digests: dict[str, str]) -> Path:
-    """Write a GGUFWriter's file to `tmp`, move it to `path` in one step, then its checksums."""
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return _publish(tmp, path, digests)
-
-
-def _publish(tmp: Path, path: Path, digests: dict[str, str]) -> Path:
-    """Move a finished file into place, then write its checksums."""
-    checksum_path(path).unlink(missing_ok=True)  # until the new sidecar exists the file counts as unfinished
-    os.replace(tmp, path)
-    _write_sidecar(path, {"algorithm": "sha256", "tensors": digests, "verified": _stamp(path)})
-    return path
-
-
-def _write_sidecar(path: Path, data: dict) -> None:
-    side = checksum_path(path)
-    tmp = side.with_name(f".{side.name}.{os.getpid()}.tmp")
-    try:
-        tmp.write_text(json.dumps(data, indent=1) + "\n")
-        os.replace(tmp, side)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-def verify_checksums(path: Path, full: bool = False) -> str | None:
-    """None when `path` matches its checksums, else what is wrong. Without `full`, a file
-    unchanged (size, mtime, inode) since it was last verified is not read again."""
-    path = Path(path)
-    side = checksum_path(path)
-    try:
-        data = json.loads(side.read_text())
-        digests = data["tensors"]
-    except (OSError, ValueError, KeyError):
-        return f"it has no readable checksum file {side.name} (an unfinished or older file)"
-    if not full and data.get("verified") == _stamp(path):
-        return None
-    try:
-        reader = gguf.GGUFReader(str(path))
-    except Exception as e:  # noqa: BLE001 - a damaged header raises ValueError/struct.error/IndexError
-        return f"its header is not readable GGUF ({type(e).__name__})"
-    found = {t.name: t for t in reader.tensors}
-    del reader
-    if set(found) != set(digests):
-        return f"it holds other tensors than were written ({len(found)} vs {len(digests)})"
-    size = path.stat().st_size
-    with open(path, "rb", buffering=0) as f:
-        for name, t in found.items():
-            if t.data_offset + t.n_bytes > size:
-                return f"it is truncated (tensor {name} ends past the end)"
-            h, left = hashlib.sha256(), int(t.n_bytes)
-            f.seek(t.data_offset)
-            while left:
-                chunk = f.read(min(left, 1 << 24))
-                if not chunk:
-                    return f"it is truncated (tensor {name})"
-                h.update(chunk)
-                left -= len(chunk)
-            if h.hexdigest() != digests[name]:
-                return f"tensor {name} does not match its checksum (damaged bytes)"
-    data["verified"] = _stamp(path)
-    try:
-        _write_sidecar(path, data)
-    except OSError:
-        pass  # a read-only cache only costs the full check next time
-    return None
+from draftexpert.runtime.gguf_checksums import checksum_path, verify_checksums
+from draftexpert.runtime.gguf_decode import decode
+from draftexpert.runtime.gguf_layout import ALIGN, PARTS, TYPES, ExpertFileError
 
 
 @dataclass
@@ -459,44 +282,3 @@ class ExpertFile:
             if fd >= 0:
                 os.close(fd)
         self.fd = self.fd_cached = -1
-
-
-def _ggml_q4_0():
-    """ggml's `dequantize_row_q4_0(src, dst, n)` from the llama-cpp-python package, or None."""
-    path = ggml_library("ggml-base")
-    if path is None:
-        return None
-    fn = ctypes.CDLL(str(path)).dequantize_row_q4_0
-    fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64], None
-    return fn
-
-
-_Q4_0 = _ggml_q4_0()
-
-
-def decode(buf, offset: int, nbytes: int, qtype: str, shape: tuple[int, int], device, dtype,
-           use_ggml: bool = True, out: torch.Tensor | None = None) -> torch.Tensor:
-    """`nbytes` file bytes at `offset` of `buf` holding a [rows, cols] matrix → a tensor in `dtype`
-    on `device`, new or `out` (dequantised on the host by ggml for Q4_0 on a CPU accelerator, else
-    moved raw and dequantised there; never a view of the staging buffer)."""
-    raw = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=offset)
-    if qtype == "q4_0" and use_ggml and _Q4_0 is not None and torch.device(device).type == "cpu" \
-            and (out is None or out.dtype == torch.float32):
-        dst = out if out is not None else torch.empty(shape, dtype=torch.float32)
-        _Q4_0(raw.data_ptr(), dst.data_ptr(), dst.numel())
-        return dst if dtype == torch.float32 else dst.to(dtype)
-    if out is not None and qtype in ("f32", "f16", "bf16"):  # converted as it is copied: no temporary
-        src = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[qtype]
-        return out.copy_(raw.to(device).view(src).view(shape))
-    if out is not None:
-        return out.copy_(decode(buf, offset, nbytes, qtype, shape, device, dtype, use_ggml))
-    raw = raw.to(device)
-    if qtype in ("f32", "f16", "bf16"):
-        src = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[qtype]
-        return raw.view(src).view(shape).to(dtype, copy=True)
-    rows, cols = shape  # q4_0: [rows, cols/32 blocks, 18 bytes]
-    blocks = raw.view(rows, cols // 32, 18)
-    d = blocks[..., :2].contiguous().view(torch.float16).to(dtype)  # [rows, nb, 1]
-    qs = blocks[..., 2:]
-    q = torch.cat([qs & 0x0F, qs >> 4], dim=-1).to(dtype) - 8.0  # [rows, nb, 32]
-    return (d * q).view(rows, cols)

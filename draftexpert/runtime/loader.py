@@ -20,7 +20,8 @@ from transformers import AutoConfig
 
 from draftexpert.runtime.experts import ExpertStore, FlashStore, HostPool, HostStore, ResidentStore
 from draftexpert.runtime.ggml_kernel import check_kernel
-from draftexpert.runtime.gguf_experts import ExpertFile, write_expert_gguf
+from draftexpert.runtime.gguf_experts import ExpertFile
+from draftexpert.runtime.gguf_write import write_expert_gguf
 from draftexpert.runtime.ledger import Ledger
 from draftexpert.runtime.model import ModelConfig, MoEModel
 
