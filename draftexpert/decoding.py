@@ -12,6 +12,7 @@ and where the routed experts are. AR offload (`baselines.ar`) and the speculativ
 Logits cross it as torch tensors ([V] for one position, [T, V] for a block), expert sets as
 {(layer, expert)}.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -42,15 +43,19 @@ def check_context(needed: int, context: int, prompt_tokens: int, max_new_tokens:
     """Refuse a sequence before decoding it, not when the KV cache runs out half-way."""
     if needed > context:
         extra = needed - prompt_tokens - max_new_tokens
-        raise ContextOverflow(f"{prompt_tokens} prompt tokens + {max_new_tokens} new tokens"
-                              + (f" + {extra} for speculation (K_max + 1)" if extra > 0 else "")
-                              + f" = {needed} positions exceed the model's context of {context}")
+        raise ContextOverflow(
+            f"{prompt_tokens} prompt tokens + {max_new_tokens} new tokens"
+            + (f" + {extra} for speculation (K_max + 1)" if extra > 0 else "")
+            + f" = {needed} positions exceed the model's context of {context}"
+        )
 
 
 def check_finite(logits: torch.Tensor) -> torch.Tensor:
     if not bool(torch.isfinite(logits).all()):
-        raise NonFiniteLogits("the model produced non-finite logits (NaN/inf): its weights or expert file are "
-                              "damaged — `bench convert --verify` checks the expert file; no record was written")
+        raise NonFiniteLogits(
+            "the model produced non-finite logits (NaN/inf): its weights or expert file are "
+            "damaged — `bench convert --verify` checks the expert file; no record was written"
+        )
     return logits
 
 
@@ -61,8 +66,7 @@ class Decoder(Protocol):
     def positions(self, prompt_tokens: int, max_new_tokens: int) -> int:
         """Positions a sequence of this length occupies while it is decoded (`check_context`)."""
 
-    def generate(self, prompt_ids: list[int], max_new_tokens: int, eos_token_id: int | None = None) -> DecodeOutput:
-        ...
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, eos_token_id: int | None = None) -> DecodeOutput: ...
 
     def close(self) -> None:
         """Release what the decoder holds open (expert files, llama.cpp contexts)."""

@@ -41,14 +41,28 @@ The verify-block sweep (Figs. 4–5, `verify_sweep_curves`; one cold forward per
   cost ×AR(L)         = mean over (prompt, start) of wall(L) / wall(1)   (L = 1 is one AR step)
   linear(L)           = L · unique(1)   (no overlap between the block's positions: the upper bound)
 """
+
 from __future__ import annotations
 
 PHASES = ("ar", "draft", "verify")  # decode phases whose forwards are timed separately
 PREFETCH = ("issued", "bytes", "hits", "waste", "misses")
-SCALARS = ("new_tokens", "decode_s", "rounds", "drafted", "accepted", "truncated", "draft_unique", "verify_unique",
-           "predicted_unique", "decode_loads", "decode_bytes", "decode_stall_s", "decode_wall_s",
-           *(f"prefetch_{k}" for k in PREFETCH),
-           *(f"{p}_{k}" for p in PHASES for k in ("s", "stall_s", "forwards")))
+SCALARS = (
+    "new_tokens",
+    "decode_s",
+    "rounds",
+    "drafted",
+    "accepted",
+    "truncated",
+    "draft_unique",
+    "verify_unique",
+    "predicted_unique",
+    "decode_loads",
+    "decode_bytes",
+    "decode_stall_s",
+    "decode_wall_s",
+    *(f"prefetch_{k}" for k in PREFETCH),
+    *(f"{p}_{k}" for p in PHASES for k in ("s", "stall_s", "forwards")),
+)
 LISTS = ("drafted_at", "accepted_at", "draft_unique_at")
 
 
@@ -75,8 +89,19 @@ class RoundStats:
             self.draft_unique_at[j] += draft.touched_at[j]
 
     def counters(self) -> dict:
-        return {k: getattr(self, k) for k in ("rounds", "drafted", "accepted", "truncated", "draft_unique",
-                                              "verify_unique", "predicted_unique", *LISTS)}
+        return {
+            k: getattr(self, k)
+            for k in (
+                "rounds",
+                "drafted",
+                "accepted",
+                "truncated",
+                "draft_unique",
+                "verify_unique",
+                "predicted_unique",
+                *LISTS,
+            )
+        }
 
 
 def ledger_counters(ledger: dict | None) -> dict:
@@ -85,13 +110,22 @@ def ledger_counters(ledger: dict | None) -> dict:
         return {}
     by_phase = ledger["by_phase"]
     decode = [v for k, v in by_phase.items() if not k.startswith("prefill")]
-    out = {"decode_loads": sum(p["loads"] for p in decode), "decode_bytes": sum(p["bytes"] for p in decode),
-           "decode_stall_s": sum(p["stall_s"] for p in decode), "decode_wall_s": sum(p["wall_s"] for p in decode),
-           **{f"prefetch_{k}": (ledger.get("prefetch") or {}).get(k, 0) for k in PREFETCH}}
+    out = {
+        "decode_loads": sum(p["loads"] for p in decode),
+        "decode_bytes": sum(p["bytes"] for p in decode),
+        "decode_stall_s": sum(p["stall_s"] for p in decode),
+        "decode_wall_s": sum(p["wall_s"] for p in decode),
+        **{f"prefetch_{k}": (ledger.get("prefetch") or {}).get(k, 0) for k in PREFETCH},
+    }
     for p in PHASES:
         if p in by_phase:
-            out.update({f"{p}_s": by_phase[p]["wall_s"], f"{p}_stall_s": by_phase[p]["stall_s"],
-                        f"{p}_forwards": by_phase[p]["forwards"]})
+            out.update(
+                {
+                    f"{p}_s": by_phase[p]["wall_s"],
+                    f"{p}_stall_s": by_phase[p]["stall_s"],
+                    f"{p}_forwards": by_phase[p]["forwards"],
+                }
+            )
     return out
 
 
@@ -149,7 +183,8 @@ def derive(c: dict) -> dict:
         "predicted_unique_per_round": _ratio(g("predicted_unique"), rounds),
         "decode_compute_s": compute,
         "loading_share": _ratio(g("decode_stall_s"), g("decode_wall_s")),
-        "moved_loads": moved_loads, "moved_bytes": moved_bytes,
+        "moved_loads": moved_loads,
+        "moved_bytes": moved_bytes,
         "loads_per_token": _ratio(moved_loads, dec),
         "mib_per_token": _ratio(moved_bytes, dec) / 2**20 if _ratio(moved_bytes, dec) is not None else None,
         "prefetch_hit_rate": _ratio(g("prefetch_hits"), issued),
@@ -157,8 +192,9 @@ def derive(c: dict) -> dict:
         "prefetch_coverage": _ratio(g("prefetch_hits"), (g("prefetch_hits") or 0) + (g("prefetch_misses") or 0)),
         "loading_ms_per_token": _ms(g("decode_stall_s"), dec),
         "compute_ms_per_token": _ms(compute, dec),
-        "other_ms_per_token": _ms(g("decode_s") - g("decode_wall_s") if "decode_wall_s" in c and "decode_s" in c
-                                  else None, dec),
+        "other_ms_per_token": _ms(
+            g("decode_s") - g("decode_wall_s") if "decode_wall_s" in c and "decode_s" in c else None, dec
+        ),
         **{f"{p}_forward_s": _ratio(g(f"{p}_s"), g(f"{p}_forwards")) for p in PHASES},
     }
     if all(k in c for k in ("drafted_at", "accepted_at")):
@@ -183,8 +219,10 @@ def relative(row: dict, ar: dict | None) -> dict:
     """Figures relative to AR's row of the same table."""
     if not ar:
         return {"speedup": None, "verify_cost_x_ar": None}
-    return {"speedup": _ratio(row.get("decode_tps"), ar.get("decode_tps")),
-            "verify_cost_x_ar": _ratio(row.get("verify_forward_s"), ar.get("ar_forward_s"))}
+    return {
+        "speedup": _ratio(row.get("decode_tps"), ar.get("decode_tps")),
+        "verify_cost_x_ar": _ratio(row.get("verify_forward_s"), ar.get("ar_forward_s")),
+    }
 
 
 def verify_sweep_curves(rows: list[dict]) -> dict[str, list[float]]:
@@ -196,8 +234,12 @@ def verify_sweep_curves(rows: list[dict]) -> dict[str, list[float]]:
     lengths = sorted(by_len)
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
     unique = [mean([r["unique"] for r in by_len[L]]) for L in lengths]
-    return {"length": lengths, "unique": unique, "linear": [L * unique[0] for L in lengths],
-            "cost": [mean([r["wall_s"] / base[(r["prompt"], r["start"])] for r in by_len[L]]) for L in lengths]}
+    return {
+        "length": lengths,
+        "unique": unique,
+        "linear": [L * unique[0] for L in lengths],
+        "cost": [mean([r["wall_s"] / base[(r["prompt"], r["start"])] for r in by_len[L]]) for L in lengths],
+    }
 
 
 def physical_limit_tps(row: dict, read_bw: float | None) -> float | None:

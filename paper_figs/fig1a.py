@@ -1,5 +1,6 @@
 """Fig. 1a: parameter breakdown, routed experts vs every other weight, from `bench params --json`
 outputs (results/params/<model>.json). Pure: reads result files, writes a table and a figure."""
+
 from __future__ import annotations
 
 import json
@@ -30,13 +31,17 @@ def _size(gib: float) -> str:
 
 def table(df: pd.DataFrame) -> str:
     """Markdown: params (B), routed share, GiB at bf16 and Q4_0."""
-    lines = ["| model | total params | routed params | routed share | routed bf16 | non-routed bf16 | routed Q4_0 "
-             "| non-routed Q4_0 |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| model | total params | routed params | routed share | routed bf16 | non-routed bf16 | routed Q4_0 "
+        "| non-routed Q4_0 |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for m, r in df.iterrows():
-        lines.append(f"| {m} | {_count(r.total)} | {_count(r.routed_experts)} | {100 * r.routed_share:.1f}% | "
-                     f"{_size(r.routed_gib_bf16)} | {_size(r.non_routed_gib_bf16)} | {_size(r.routed_gib_q4_0)} | "
-                     f"{_size(r.non_routed_gib_q4_0)} |")
+        lines.append(
+            f"| {m} | {_count(r.total)} | {_count(r.routed_experts)} | {100 * r.routed_share:.1f}% | "
+            f"{_size(r.routed_gib_bf16)} | {_size(r.non_routed_gib_bf16)} | {_size(r.routed_gib_q4_0)} | "
+            f"{_size(r.non_routed_gib_q4_0)} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -48,8 +53,14 @@ def figure(df: pd.DataFrame, out_stem: Path) -> list[Path]:
         if max(vals) < 1:
             vals, unit = [v * 1024 for v in vals], "MiB"
         bars = ax.bar(["routed\nexperts", "everything\nelse"], vals, color=["#c44e52", "#4c72b0"])
-        ax.bar_label(bars, labels=[f"{vals[0]:.1f} {unit}\n{100 * r.routed_share:.1f}%",
-                                   f"{vals[1]:.1f} {unit}\n{100 * (1 - r.routed_share):.1f}%"], fontsize=8)
+        ax.bar_label(
+            bars,
+            labels=[
+                f"{vals[0]:.1f} {unit}\n{100 * r.routed_share:.1f}%",
+                f"{vals[1]:.1f} {unit}\n{100 * (1 - r.routed_share):.1f}%",
+            ],
+            fontsize=8,
+        )
         ax.set_title(f"{m}: {_count(r.total)} params", fontsize=9)
         ax.set_ylabel(f"bf16 {unit}")
         ax.set_ylim(0, max(vals) * 1.3)

@@ -8,6 +8,7 @@ Per drafter (shared+top-r, r = 1, 2, 3, fixed K, no prefetch; DraftExpert):
   speed-up over the target   AR's ar_forward_s / draft_forward_s (one target step vs one draft step)
 The paper averages over draft lengths; ours are at the comparison's K_max (Table 3's K = 4).
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -38,8 +39,11 @@ def points(result: dict) -> dict[str, dict]:
         if name not in rows:
             continue
         d = rows[name]["draft_forward_s"]
-        out[name] = {"acceptance": rows[name]["acceptance"], "draft_latency_x_top1": d / top1 if d and top1 else None,
-                     "speedup_over_target": target / d if d and target else None}
+        out[name] = {
+            "acceptance": rows[name]["acceptance"],
+            "draft_latency_x_top1": d / top1 if d and top1 else None,
+            "speedup_over_target": target / d if d and target else None,
+        }
     return out
 
 
@@ -48,13 +52,17 @@ def _f(v, fmt):
 
 
 def table(p: dict[str, dict]) -> str:
-    lines = ["| drafter | acceptance | paper | draft latency × top-1 | speed-up over the target | paper |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        "| drafter | acceptance | paper | draft latency × top-1 | speed-up over the target | paper |",
+        "|---|---|---|---|---|---|",
+    ]
     for name, r in p.items():
         paper = PAPER.get(name, {})
-        lines.append(f"| {name} | {_f(r['acceptance'], '.0%')} | {_f(paper.get('acceptance'), '.0%')} | "
-                     f"{_f(r['draft_latency_x_top1'], '.2f')}× | {_f(r['speedup_over_target'], '.2f')}× | "
-                     f"{_f(paper.get('speedup_over_target'), '.1f')}{'×' if paper else ''} |")
+        lines.append(
+            f"| {name} | {_f(r['acceptance'], '.0%')} | {_f(paper.get('acceptance'), '.0%')} | "
+            f"{_f(r['draft_latency_x_top1'], '.2f')}× | {_f(r['speedup_over_target'], '.2f')}× | "
+            f"{_f(paper.get('speedup_over_target'), '.1f')}{'×' if paper else ''} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -63,14 +71,23 @@ def figure(per_model: dict[str, dict[str, dict]], out_stem: Path, source: str) -
     values dashed; DraftExpert as a star at r = 1 (its footprint is top-1's)."""
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.6))
     r = [1, 2, 3]
-    for ax, key, label in ((axes[0], "acceptance", "acceptance α"),
-                           (axes[1], "speedup_over_target", "draft speed-up over the target (×)")):
+    for ax, key, label in (
+        (axes[0], "acceptance", "acceptance α"),
+        (axes[1], "speedup_over_target", "draft speed-up over the target (×)"),
+    ):
         ax.plot(r, [PAPER[d][key] for d in DRAFTERS], "k--", marker="s", ms=4, label="paper (DS-V2-Lite, Fig. 2)")
         for model, p in per_model.items():
             line = ax.plot(r, [p[d][key] for d in DRAFTERS], marker="o", ms=4, label=f"{model} shared+top-r")[0]
             if "draftexpert" in p and p["draftexpert"][key] is not None:
-                ax.plot([1], [p["draftexpert"][key]], marker="*", ms=12, ls="none", color=line.get_color(),
-                        label=f"{model} DraftExpert")
+                ax.plot(
+                    [1],
+                    [p["draftexpert"][key]],
+                    marker="*",
+                    ms=12,
+                    ls="none",
+                    color=line.get_color(),
+                    label=f"{model} DraftExpert",
+                )
         ax.set_xticks(r, [f"top-{i}" for i in r])
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)

@@ -3,6 +3,7 @@ K, no truncation): the curves `draftexpert.metrics.derive` gives as `draft_uniqu
 (layer-experts the drafter had run when it proposed its j-th token, mean over rounds). Pure:
 formats curves into a table and a figure.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -30,8 +31,13 @@ def paper_points(model: str, moe_layers: int) -> dict[str, float]:
     return {name: v[0] * moe_layers / paper.MOE_LAYERS for name, v in paper.TABLE3.get(paper.real(model), {}).items()}
 
 
-def figure(curves: dict[str, list[float]], out_stem: Path, title: str,
-           paper_at_k4: dict[str, float] | None = None, source: str | None = None) -> list[Path]:
+def figure(
+    curves: dict[str, list[float]],
+    out_stem: Path,
+    title: str,
+    paper_at_k4: dict[str, float] | None = None,
+    source: str | None = None,
+) -> list[Path]:
     """One curve per drafter; `paper_at_k4`: the paper's points at j = 4, hollow, in each drafter's colour."""
     fig, ax = plt.subplots(figsize=(5, 3.5))
     for name, c in curves.items():
@@ -39,8 +45,9 @@ def figure(curves: dict[str, list[float]], out_stem: Path, title: str,
         if paper_at_k4 and name in paper_at_k4:
             ax.plot([4], [paper_at_k4[name]], marker="D", ms=8, mfc="none", ls="none", color=line.get_color())
     if paper_at_k4:
-        ax.plot([], [], marker="D", mfc="none", ls="none", color="0.3",
-                label="paper, Table 3 (K = 4, per-layer scaled)")
+        ax.plot(
+            [], [], marker="D", mfc="none", ls="none", color="0.3", label="paper, Table 3 (K = 4, per-layer scaled)"
+        )
     ax.set_xlabel("draft length j")
     ax.set_ylabel("cumulative unique layer-experts (drafter)")
     ax.set_title(title, fontsize=9)

@@ -4,6 +4,7 @@ and Fig. 4's dense half: the same sweep over the model's dense counterpart (`den
 The paper's Fig. 4 is drawn without numbers; its Table 4 gives the fixed-K = 4 verify cost, a
 block of K + 1 = 5 tokens, marked at L = 5. Pure: formats curves into a table and a figure.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -16,9 +17,11 @@ import matplotlib.pyplot as plt  # noqa: E402
 from paper_figs import paper  # noqa: E402
 from paper_figs.output import require, save  # noqa: E402
 
-DENSE_LABEL = ("dense counterpart: each MoE layer's routed experts replaced by one always-selected FFN of the "
-               "active routed width (k · I, the target's experts 0…k−1 side by side; a timing counterpart, not a "
-               "trained model), offloaded through the same Q4_0 flash store, cold")
+DENSE_LABEL = (
+    "dense counterpart: each MoE layer's routed experts replaced by one always-selected FFN of the "
+    "active routed width (k · I, the target's experts 0…k−1 side by side; a timing counterpart, not a "
+    "trained model), offloaded through the same Q4_0 flash store, cold"
+)
 PAPER_BLOCK = 5  # Table 4's fixed K = 4: the verify forward covers x_0 and 4 drafts
 COLUMNS = ("length", "unique", "linear", "cost")
 
@@ -31,16 +34,22 @@ def paper_costs(model: str) -> tuple[float, float] | None:
 
 def paper_note(model: str) -> str:
     p = paper_costs(model)
-    return ("no numbers for Figs. 4–5; Table 4's fixed K = 4 verify (5 tokens): "
-            f"{p[1]:.2f}× one AR step on MN, {p[0]:.2f}× on CG ({paper.real(model).upper()})." if p else "none.")
+    return (
+        "no numbers for Figs. 4–5; Table 4's fixed K = 4 verify (5 tokens): "
+        f"{p[1]:.2f}× one AR step on MN, {p[0]:.2f}× on CG ({paper.real(model).upper()})."
+        if p
+        else "none."
+    )
 
 
 def table(c: dict[str, list[float]]) -> str:
     require(c, COLUMNS, "Figs. 4–5 curves")
     dense = c.get("dense_cost")
-    lines = ["| block length L | unique layer-experts | L · unique(1) | verify cost ×AR |"
-             + (" dense verify cost ×step |" if dense else ""),
-             "|---|---|---|---|" + ("---|" if dense else "")]
+    lines = [
+        "| block length L | unique layer-experts | L · unique(1) | verify cost ×AR |"
+        + (" dense verify cost ×step |" if dense else ""),
+        "|---|---|---|---|" + ("---|" if dense else ""),
+    ]
     for i, (L, u, lin, cost) in enumerate(zip(*(c[k] for k in COLUMNS))):
         lines.append(f"| {L} | {u:.1f} | {lin:.0f} | {cost:.2f} |" + (f" {dense[i]:.2f} |" if dense else ""))
     return "\n".join(lines) + "\n"
@@ -54,8 +63,15 @@ def figure(per_model: dict[str, dict], out_stem: Path, source: str) -> list[Path
         require(c, COLUMNS, f"Figs. 4–5 curves of {name}")
         line = ax4.plot(c["length"], c["cost"], marker="o", ms=3, label=f"{name} MoE")[0]
         if c.get("dense_cost"):
-            ax4.plot(c["length"], c["dense_cost"], marker="s", ms=3, ls="--", color=line.get_color(),
-                     label=f"{name} dense counterpart")
+            ax4.plot(
+                c["length"],
+                c["dense_cost"],
+                marker="s",
+                ms=3,
+                ls="--",
+                color=line.get_color(),
+                label=f"{name} dense counterpart",
+            )
         p = paper_costs(name)
         if p:
             ax4.plot([PAPER_BLOCK], [p[1]], marker="D", ms=8, mfc="none", ls="none", color=line.get_color())

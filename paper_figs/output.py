@@ -1,5 +1,6 @@
 """How every figure is written: PNG (for the README) and PDF (for the paper), same stem, the
 runs it came from printed under it; and the one check every renderer makes of its input."""
+
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping

@@ -8,6 +8,7 @@ bandwidth where our AR's loading share equals the paper's MN loading share as th
 numbers give it, 1 − 10.18 / 14.36 = 0.29 (Flash-staged AR vs resident AR TPS, §5); the paper
 states no loading share for CG, so CG is a level, not a point.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -40,12 +41,18 @@ def rows(res: dict) -> list[dict]:
         for label in ("ar", "draftexpert"):
             require(m[label], ("decode_tps", "loading_share", "speedup"), f"{cap}: row {label!r}")
         best = max((r for r in TOP_R if r in m), key=lambda r: m[r]["decode_tps"], default=None)
-        row = {"read_bw": bw, "ar_tps": m["ar"]["decode_tps"], "ar_loading_share": m["ar"]["loading_share"],
-               "best_top_r": best, "top_r_speedup": m[best]["speedup"] if best else None,
-               "de_speedup": m["draftexpert"]["speedup"], "de_tps": m["draftexpert"]["decode_tps"],
-               "de_acceptance": m["draftexpert"]["acceptance"],
-               "de_long_speedup": m[DE_LONG]["speedup"] if DE_LONG in m else None,
-               "tokens_equal_ar": all(cell["tokens_equal_ar"].values())}
+        row = {
+            "read_bw": bw,
+            "ar_tps": m["ar"]["decode_tps"],
+            "ar_loading_share": m["ar"]["loading_share"],
+            "best_top_r": best,
+            "top_r_speedup": m[best]["speedup"] if best else None,
+            "de_speedup": m["draftexpert"]["speedup"],
+            "de_tps": m["draftexpert"]["decode_tps"],
+            "de_acceptance": m["draftexpert"]["acceptance"],
+            "de_long_speedup": m[DE_LONG]["speedup"] if DE_LONG in m else None,
+            "tokens_equal_ar": all(cell["tokens_equal_ar"].values()),
+        }
         for label, key in (("ar", "ar"), ("draftexpert", "de")):
             row[f"{key}_limit_tps"] = metrics.physical_limit_tps(m[label], bw)
         out.append(row)
@@ -53,28 +60,35 @@ def rows(res: dict) -> list[dict]:
 
 
 def table(res: dict) -> str:
-    lines = [f"{res['model']} on {res['platform']}, engine {res['engine']}: storage reads capped by the kernel "
-             "(cgroup blkio throttle); limit = read bandwidth ÷ bytes moved per emitted token.", "",
-             "DraftExpert: K_max = 4, τ = 0.6, B = 24, prefetch; DraftExpert K = 8: K_max = 8, no truncation, "
-             "prefetch; best top-r: over r = 1, 2, 3 at K = 4 and r = 3 at K = 8, fixed K, no prefetch.", "",
-             "| read cap | AR TPS | AR loading share | AR limit TPS | best top-r ×AR | DraftExpert ×AR | DE TPS | "
-             "DE limit TPS | DE α | DraftExpert K = 8 ×AR | tokens equal AR |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"{res['model']} on {res['platform']}, engine {res['engine']}: storage reads capped by the kernel "
+        "(cgroup blkio throttle); limit = read bandwidth ÷ bytes moved per emitted token.",
+        "",
+        "DraftExpert: K_max = 4, τ = 0.6, B = 24, prefetch; DraftExpert K = 8: K_max = 8, no truncation, "
+        "prefetch; best top-r: over r = 1, 2, 3 at K = 4 and r = 3 at K = 8, fixed K, no prefetch.",
+        "",
+        "| read cap | AR TPS | AR loading share | AR limit TPS | best top-r ×AR | DraftExpert ×AR | DE TPS | "
+        "DE limit TPS | DE α | DraftExpert K = 8 ×AR | tokens equal AR |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     f = lambda v, fmt: fmt.format(v) if v is not None else "–"  # noqa: E731
     for r in rows(res):
         cap = f"{r['read_bw'] / 1e6:.0f} MB/s" if r["read_bw"] else "uncapped"
-        lines.append(f"| {cap} | {r['ar_tps']:.2f} | {f(r['ar_loading_share'], '{:.2f}')} | "
-                     f"{f(r['ar_limit_tps'], '{:.1f}')} | {f(r['top_r_speedup'], '{:.2f}')} ({r['best_top_r']}) | "
-                     f"{f(r['de_speedup'], '{:.2f}')} | {r['de_tps']:.2f} | {f(r['de_limit_tps'], '{:.1f}')} | "
-                     f"{f(r['de_acceptance'], '{:.3f}')} | {f(r['de_long_speedup'], '{:.2f}')} | "
-                     f"{r['tokens_equal_ar']} |")
+        lines.append(
+            f"| {cap} | {r['ar_tps']:.2f} | {f(r['ar_loading_share'], '{:.2f}')} | "
+            f"{f(r['ar_limit_tps'], '{:.1f}')} | {f(r['top_r_speedup'], '{:.2f}')} ({r['best_top_r']}) | "
+            f"{f(r['de_speedup'], '{:.2f}')} | {r['de_tps']:.2f} | {f(r['de_limit_tps'], '{:.1f}')} | "
+            f"{f(r['de_acceptance'], '{:.3f}')} | {f(r['de_long_speedup'], '{:.2f}')} | "
+            f"{r['tokens_equal_ar']} |"
+        )
     return "\n".join(lines) + "\n"
 
 
 def _share_crossing(rs: list[dict], share: float) -> float | None:
     """The read bandwidth (log-interpolated between capped cells) where AR's loading share is `share`."""
-    pts = sorted((r["read_bw"], r["ar_loading_share"]) for r in rs
-                 if r["read_bw"] and r["ar_loading_share"] is not None)
+    pts = sorted(
+        (r["read_bw"], r["ar_loading_share"]) for r in rs if r["read_bw"] and r["ar_loading_share"] is not None
+    )
     for (b0, s0), (b1, s1) in zip(pts, pts[1:]):
         if (s0 - share) * (s1 - share) <= 0 and s0 != s1:
             t = (s0 - share) / (s0 - s1)
@@ -94,32 +108,67 @@ def figure(results: list[dict], out_stem: Path, source: str) -> list[Path]:
         c = colors.get(res["engine"], None)
         ax.plot(bw, [r["de_speedup"] for r in rs], marker="o", color=c, label=f"DraftExpert ({res['engine']})")
         if any(r["de_long_speedup"] is not None for r in rs):
-            ax.plot(bw, [r["de_long_speedup"] for r in rs], marker="D", ls="-.", color=c,
-                    label=f"DraftExpert K = 8, no truncation ({res['engine']})")
-        ax.plot(bw, [r["top_r_speedup"] for r in rs], marker="s", ls="--", color=c, alpha=0.6,
-                label=f"best top-r ({res['engine']})")
-        share_ax.plot(bw, [r["ar_loading_share"] for r in rs], ls=":", color=c,
-                      label=f"AR loading share ({res['engine']})")
+            ax.plot(
+                bw,
+                [r["de_long_speedup"] for r in rs],
+                marker="D",
+                ls="-.",
+                color=c,
+                label=f"DraftExpert K = 8, no truncation ({res['engine']})",
+            )
+        ax.plot(
+            bw,
+            [r["top_r_speedup"] for r in rs],
+            marker="s",
+            ls="--",
+            color=c,
+            alpha=0.6,
+            label=f"best top-r ({res['engine']})",
+        )
+        share_ax.plot(
+            bw, [r["ar_loading_share"] for r in rs], ls=":", color=c, label=f"AR loading share ({res['engine']})"
+        )
         top = max([top] + [r["de_speedup"] or 0 for r in rs] + [r["top_r_speedup"] or 0 for r in rs])
         x = _share_crossing(rs, PAPER_MN_LOADING_SHARE)
         if x is not None:
-            ax.plot([x / 1e6], [PAPER_SPEEDUP["mn"]], marker="*", ms=12, color=c, ls="none",
-                    label=f"paper MN (DS) {PAPER_SPEEDUP['mn']}× at AR share {PAPER_MN_LOADING_SHARE:.2f} "
-                    f"({res['engine']})")
+            ax.plot(
+                [x / 1e6],
+                [PAPER_SPEEDUP["mn"]],
+                marker="*",
+                ms=12,
+                color=c,
+                ls="none",
+                label=f"paper MN (DS) {PAPER_SPEEDUP['mn']}× at AR share {PAPER_MN_LOADING_SHARE:.2f} "
+                f"({res['engine']})",
+            )
         ax_tps.plot(bw, [r["ar_tps"] for r in rs], marker="o", color=c, label=f"AR ({res['engine']})")
-        ax_tps.plot(bw, [r["de_tps"] for r in rs], marker="^", color=c, alpha=0.7,
-                    label=f"DraftExpert ({res['engine']})")
-        ax_tps.plot(bw, [r["ar_limit_tps"] for r in rs], ls="--", lw=1, color=c,
-                    label=f"AR physical limit ({res['engine']})")
-        ax_tps.plot(bw, [r["de_limit_tps"] for r in rs], ls=":", lw=1, color=c,
-                    label=f"DraftExpert physical limit ({res['engine']})")
+        ax_tps.plot(
+            bw, [r["de_tps"] for r in rs], marker="^", color=c, alpha=0.7, label=f"DraftExpert ({res['engine']})"
+        )
+        ax_tps.plot(
+            bw, [r["ar_limit_tps"] for r in rs], ls="--", lw=1, color=c, label=f"AR physical limit ({res['engine']})"
+        )
+        ax_tps.plot(
+            bw,
+            [r["de_limit_tps"] for r in rs],
+            ls=":",
+            lw=1,
+            color=c,
+            label=f"DraftExpert physical limit ({res['engine']})",
+        )
     if not any(_share_crossing([r for r in rows(res) if r["read_bw"]], PAPER_MN_LOADING_SHARE) for res in results):
-        ax.axhline(PAPER_SPEEDUP["mn"], color="grey", ls=":", lw=0.8,
-                   label=f"paper MN (DS) {PAPER_SPEEDUP['mn']}× (its AR loading share {PAPER_MN_LOADING_SHARE:.2f} "
-                         "is below every one measured here)")
+        ax.axhline(
+            PAPER_SPEEDUP["mn"],
+            color="grey",
+            ls=":",
+            lw=0.8,
+            label=f"paper MN (DS) {PAPER_SPEEDUP['mn']}× (its AR loading share {PAPER_MN_LOADING_SHARE:.2f} "
+            "is below every one measured here)",
+        )
     ax.axhline(1.0, color="grey", lw=0.8)
-    ax.axhline(PAPER_SPEEDUP["cg"], color="grey", ls="-.", lw=0.8,
-               label="paper CG (DS) 1.36× (no loading share stated)")
+    ax.axhline(
+        PAPER_SPEEDUP["cg"], color="grey", ls="-.", lw=0.8, label="paper CG (DS) 1.36× (no loading share stated)"
+    )
     ticks = sorted({r["read_bw"] / 1e6 for res in results for r in rows(res) if r["read_bw"]})
     for a in (ax, ax_tps):
         a.set_xscale("log")

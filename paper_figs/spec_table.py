@@ -3,6 +3,7 @@
 formula is there), with the paper's values for the real model of the same routing beside ours
 (`paper_figs.paper`); nothing here computes a figure or runs a model.
 """
+
 from __future__ import annotations
 
 from paper_figs import paper
@@ -21,39 +22,59 @@ def _paper_cells(result: dict, label: str) -> list[str]:
 
 
 def table(result: dict) -> str:
-    cols = [("decode_tps", "TPS", "{:.2f}"), ("speedup", "×AR", "{:.2f}"), ("acceptance", "α", "{:.3f}"),
-            ("mean_accepted_length", "τ", "{:.2f}"), ("draft_unique_per_round", "draft uniq", "{:.1f}"),
-            ("verify_unique_per_round", "verify uniq", "{:.1f}"), ("loads_per_token", "loads/tok", "{:.1f}"),
-            ("mib_per_token", "MiB/tok", "{:.2f}"), ("prefetch_hit_rate", "hit", "{:.2f}"),
-            ("prefetch_waste_rate", "waste", "{:.2f}"), ("loading_share", "load share", "{:.2f}"),
-            ("physical_limit_tps", "limit TPS", "{:.1f}")]
+    cols = [
+        ("decode_tps", "TPS", "{:.2f}"),
+        ("speedup", "×AR", "{:.2f}"),
+        ("acceptance", "α", "{:.3f}"),
+        ("mean_accepted_length", "τ", "{:.2f}"),
+        ("draft_unique_per_round", "draft uniq", "{:.1f}"),
+        ("verify_unique_per_round", "verify uniq", "{:.1f}"),
+        ("loads_per_token", "loads/tok", "{:.1f}"),
+        ("mib_per_token", "MiB/tok", "{:.2f}"),
+        ("prefetch_hit_rate", "hit", "{:.2f}"),
+        ("prefetch_waste_rate", "waste", "{:.2f}"),
+        ("loading_share", "load share", "{:.2f}"),
+        ("physical_limit_tps", "limit TPS", "{:.1f}"),
+    ]
     m = paper.real(result.get("model", ""))
-    lines = ["| method | " + " | ".join(c[1] for c in cols) + " | paper α | paper ×AR |",
-             "|---" * (len(cols) + 3) + "|"]
+    lines = [
+        "| method | " + " | ".join(c[1] for c in cols) + " | paper α | paper ×AR |",
+        "|---" * (len(cols) + 3) + "|",
+    ]
     for label, row in result["methods"].items():
         cells = [fmt.format(row[k]) if row.get(k) is not None else "–" for k, _, fmt in cols]
         lines.append(f"| {label} | " + " | ".join(cells + _paper_cells(result, label)) + " |")
     t2 = paper.TABLE2.get((m, result.get("platform")))
     if t2:
-        lines.append(f"\npaper ({m.upper()}, {result.get('platform').upper()}; Table 2): AR {t2['ar']:.2f} TPS, best "
-                     f"shared+top-r {t2['top-r']:.2f} ({t2['top-r'] / t2['ar']:.2f}×AR), "
-                     f"DraftExpert {t2['draftexpert']:.2f} ({t2['speedup']:.2f}×)"
-                     + (f", resident AR {paper.RESIDENT_MN_DS_TPS:.2f}"
-                        if (m, result.get("platform")) == ("ds", "mn") else "")
-                     + "; paper α: Table 3 at K = 4.")
+        lines.append(
+            f"\npaper ({m.upper()}, {result.get('platform').upper()}; Table 2): AR {t2['ar']:.2f} TPS, best "
+            f"shared+top-r {t2['top-r']:.2f} ({t2['top-r'] / t2['ar']:.2f}×AR), "
+            f"DraftExpert {t2['draftexpert']:.2f} ({t2['speedup']:.2f}×)"
+            + (f", resident AR {paper.RESIDENT_MN_DS_TPS:.2f}" if (m, result.get("platform")) == ("ds", "mn") else "")
+            + "; paper α: Table 3 at K = 4."
+        )
     return "\n".join(lines)
 
 
 def table4(result: dict) -> str:
     """Verify-side control: fixed K vs confidence–expansion truncation vs + prefetch."""
-    cols = [("verify_cost_x_ar", "verify cost ×AR", "{:.2f}"), ("mean_accepted_length", "τ", "{:.2f}"),
-            ("verify_unique_per_round", "verify uniq", "{:.1f}"), ("prefetch_hit_rate", "hit", "{:.2f}"),
-            ("prefetch_waste_rate", "waste", "{:.2f}"), ("decode_tps", "TPS", "{:.2f}"), ("speedup", "×AR", "{:.2f}")]
+    cols = [
+        ("verify_cost_x_ar", "verify cost ×AR", "{:.2f}"),
+        ("mean_accepted_length", "τ", "{:.2f}"),
+        ("verify_unique_per_round", "verify uniq", "{:.1f}"),
+        ("prefetch_hit_rate", "hit", "{:.2f}"),
+        ("prefetch_waste_rate", "waste", "{:.2f}"),
+        ("decode_tps", "TPS", "{:.2f}"),
+        ("speedup", "×AR", "{:.2f}"),
+    ]
     t4 = paper.TABLE4.get(paper.real(result.get("model", "")), {})
     plat = 1 if result.get("platform") == "mn" else 0
-    lines = ["| policy | " + " | ".join(c[1] for c in cols)
-             + f" | paper cost ×AR ({result.get('platform', '?').upper()}) | paper hit / waste |",
-             "|---" * (len(cols) + 3) + "|"]
+    lines = [
+        "| policy | "
+        + " | ".join(c[1] for c in cols)
+        + f" | paper cost ×AR ({result.get('platform', '?').upper()}) | paper hit / waste |",
+        "|---" * (len(cols) + 3) + "|",
+    ]
     for label, row in result["methods"].items():
         if label == "ar":
             continue

@@ -3,16 +3,27 @@ beside them. Pure: reads run manifests (`manifest.json`: the cell configuration 
 block of `bench.runs.telemetry.collect`), formats one column per platform measured: (platform, engine,
 expert type, storage read cap), each with the machine it ran on.
 """
+
 from __future__ import annotations
 
 # The paper's Table 1 (configuration rows), quoted.
 PAPER = {
-    "CG (paper)": {"accelerator": "NVIDIA GeForce RTX 4090, 24 GB", "host": "host CPU DRAM (64 GB)",
-                   "experts from": "CPU-resident routed experts, loaded on demand to the GPU",
-                   "storage / link": "PCIe", "runtime": "BF16 PyTorch 2.11.0+cu128", "read cap": "—"},
-    "MN (paper)": {"accelerator": "Hexagon HTP v81 NPU (Snapdragon 8 Elite, SM8850)", "host": "shared DRAM (phone)",
-                   "experts from": "Flash, staged into shared memory on demand",
-                   "storage / link": "UFS Flash", "runtime": "llama.cpp, Q4_0 weights", "read cap": "—"},
+    "CG (paper)": {
+        "accelerator": "NVIDIA GeForce RTX 4090, 24 GB",
+        "host": "host CPU DRAM (64 GB)",
+        "experts from": "CPU-resident routed experts, loaded on demand to the GPU",
+        "storage / link": "PCIe",
+        "runtime": "BF16 PyTorch 2.11.0+cu128",
+        "read cap": "—",
+    },
+    "MN (paper)": {
+        "accelerator": "Hexagon HTP v81 NPU (Snapdragon 8 Elite, SM8850)",
+        "host": "shared DRAM (phone)",
+        "experts from": "Flash, staged into shared memory on demand",
+        "storage / link": "UFS Flash",
+        "runtime": "llama.cpp, Q4_0 weights",
+        "read cap": "—",
+    },
 }
 ROWS = ("machine", "accelerator", "host", "experts from", "storage / link", "runtime", "read cap")
 
@@ -31,16 +42,25 @@ def column(config: dict, machines: list[dict], caps: list[int]) -> dict:
     args = config.get("method_args") or {}
     machine = machines[0]
     cpu, mem, st = machine["cpu"], machine["memory"], machine["storage"]
-    bws = sorted(m["storage"]["odirect_read"]["gb_per_s_median"] for m in machines
-                 if "gb_per_s_median" in (m["storage"].get("odirect_read") or {}))
-    bw = (f"{bws[0]:.2f}–{bws[-1]:.2f} GB/s O_DIRECT over {len(bws)} runs" if len(bws) > 1 and bws[0] != bws[-1]
-          else f"{bws[0]:.2f} GB/s O_DIRECT" if bws else "not measured")
+    bws = sorted(
+        m["storage"]["odirect_read"]["gb_per_s_median"]
+        for m in machines
+        if "gb_per_s_median" in (m["storage"].get("odirect_read") or {})
+    )
+    bw = (
+        f"{bws[0]:.2f}–{bws[-1]:.2f} GB/s O_DIRECT over {len(bws)} runs"
+        if len(bws) > 1 and bws[0] != bws[-1]
+        else f"{bws[0]:.2f} GB/s O_DIRECT"
+        if bws
+        else "not measured"
+    )
     gpu = _gpu(machine)
     cuda = args.get("device") == "cuda"
     engine, platform = config.get("engine", "torch"), config["platform"]
     vers = machine.get("versions", {})
-    runtime = (f"llama.cpp {vers.get('llama_cpp')}" if engine == "llama.cpp" else f"PyTorch {vers.get('torch')}") \
-        + f", {args.get('expert_type', 'checkpoint')} experts, fp32 compute"
+    runtime = (
+        f"llama.cpp {vers.get('llama_cpp')}" if engine == "llama.cpp" else f"PyTorch {vers.get('torch')}"
+    ) + f", {args.get('expert_type', 'checkpoint')} experts, fp32 compute"
     gpus = machine.get("gpus")
     link = ""
     if isinstance(gpus, list) and gpus and gpus[0].get("pcie_gen_current"):
@@ -48,17 +68,22 @@ def column(config: dict, machines: list[dict], caps: list[int]) -> dict:
     capped = sorted({c for c in caps if c})
     return {
         "machine": ", ".join(sorted({f"{m.get('machine_id')} ({m.get('os')})" for m in machines})),
-        "accelerator": gpu if cuda and gpu else f"the CPU: {cpu['model']}, {cpu['usable_cores']} cores "
-                                                 f"({', '.join(cpu.get('simd', []))})",
+        "accelerator": gpu
+        if cuda and gpu
+        else f"the CPU: {cpu['model']}, {cpu['usable_cores']} cores ({', '.join(cpu.get('simd', []))})",
         "host": f"{mem['total_gib']:.1f} GiB RAM",
-        "experts from": {"mn": "a GGUF file on storage, staged on demand", "cg": "host memory, copied on demand",
-                         "resident": "resident (no movement)"}[platform],
+        "experts from": {
+            "mn": "a GGUF file on storage, staged on demand",
+            "cg": "host memory, copied on demand",
+            "resident": "resident (no movement)",
+        }[platform],
         "storage / link": f"{st.get('device')} ({st.get('fstype')}, "
-                          f"{'reported rotational' if st.get('rotational') else 'non-rotational'}), {bw}{link}",
+        f"{'reported rotational' if st.get('rotational') else 'non-rotational'}), {bw}{link}",
         "runtime": runtime,
-        "read cap": "; ".join((["uncapped"] if any(not c for c in caps) else [])
-                              + ([" / ".join(f"{c // 10**6}" for c in capped) + " MB/s (kernel block-I/O throttle)"]
-                                 if capped else [])),
+        "read cap": "; ".join(
+            (["uncapped"] if any(not c for c in caps) else [])
+            + ([" / ".join(f"{c // 10**6}" for c in capped) + " MB/s (kernel block-I/O throttle)"] if capped else [])
+        ),
     }
 
 

@@ -21,6 +21,7 @@ expert) in bf16 and fp32, beside `--platform resident` (every expert on the GPU:
 where it fits), and says whether each speculative run's tokens equal AR's in the same dtype.
 On a CUDA machine the random weights are drawn on the GPU (fast; other numbers than the CPU's).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,30 +44,47 @@ SHARD_BYTES = 4 << 30
 def tensor_shapes(cfg: dict) -> list[tuple[str, tuple[int, ...]]]:
     """DeepSeek-V2(-Lite)'s tensor names and shapes as its safetensors checkpoint holds them."""
     H, V, L = cfg["hidden_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
-    heads, nope, rope, vdim = (cfg["num_attention_heads"], cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"],
-                               cfg["v_head_dim"])
+    heads, nope, rope, vdim = (
+        cfg["num_attention_heads"],
+        cfg["qk_nope_head_dim"],
+        cfg["qk_rope_head_dim"],
+        cfg["v_head_dim"],
+    )
     kv, E, inter = cfg["kv_lora_rank"], cfg["n_routed_experts"], cfg["moe_intermediate_size"]
     S = inter * cfg["n_shared_experts"]
     out = [("model.embed_tokens.weight", (V, H))]
     for i in range(L):
         p = f"model.layers.{i}."
-        out += [(p + "input_layernorm.weight", (H,)), (p + "post_attention_layernorm.weight", (H,)),
-                (p + "self_attn.q_proj.weight", (heads * (nope + rope), H)),
-                (p + "self_attn.kv_a_proj_with_mqa.weight", (kv + rope, H)),
-                (p + "self_attn.kv_a_layernorm.weight", (kv,)),
-                (p + "self_attn.kv_b_proj.weight", (heads * (nope + vdim), kv)),
-                (p + "self_attn.o_proj.weight", (H, heads * vdim))]
+        out += [
+            (p + "input_layernorm.weight", (H,)),
+            (p + "post_attention_layernorm.weight", (H,)),
+            (p + "self_attn.q_proj.weight", (heads * (nope + rope), H)),
+            (p + "self_attn.kv_a_proj_with_mqa.weight", (kv + rope, H)),
+            (p + "self_attn.kv_a_layernorm.weight", (kv,)),
+            (p + "self_attn.kv_b_proj.weight", (heads * (nope + vdim), kv)),
+            (p + "self_attn.o_proj.weight", (H, heads * vdim)),
+        ]
         if i < cfg["first_k_dense_replace"]:
             D = cfg["intermediate_size"]
-            out += [(p + "mlp.gate_proj.weight", (D, H)), (p + "mlp.up_proj.weight", (D, H)),
-                    (p + "mlp.down_proj.weight", (H, D))]
+            out += [
+                (p + "mlp.gate_proj.weight", (D, H)),
+                (p + "mlp.up_proj.weight", (D, H)),
+                (p + "mlp.down_proj.weight", (H, D)),
+            ]
             continue
-        out += [(p + "mlp.gate.weight", (E, H)), (p + "mlp.shared_experts.gate_proj.weight", (S, H)),
-                (p + "mlp.shared_experts.up_proj.weight", (S, H)), (p + "mlp.shared_experts.down_proj.weight", (H, S))]
+        out += [
+            (p + "mlp.gate.weight", (E, H)),
+            (p + "mlp.shared_experts.gate_proj.weight", (S, H)),
+            (p + "mlp.shared_experts.up_proj.weight", (S, H)),
+            (p + "mlp.shared_experts.down_proj.weight", (H, S)),
+        ]
         for e in range(E):
             q = f"{p}mlp.experts.{e}."
-            out += [(q + "gate_proj.weight", (inter, H)), (q + "up_proj.weight", (inter, H)),
-                    (q + "down_proj.weight", (H, inter))]
+            out += [
+                (q + "gate_proj.weight", (inter, H)),
+                (q + "up_proj.weight", (inter, H)),
+                (q + "down_proj.weight", (H, inter)),
+            ]
     return out + [("model.norm.weight", (H,)), ("lm_head.weight", (V, H))]
 
 
@@ -95,8 +113,11 @@ def write_checkpoint(folder: Path, config: Path, log) -> int:
         shard, size = {}, 0
 
     for key, shape in shapes:
-        t = torch.ones(shape, dtype=torch.bfloat16) if key.endswith("norm.weight") else \
-            (torch.randn(shape, generator=g, device=dev) * 0.02).to(torch.bfloat16).cpu()
+        t = (
+            torch.ones(shape, dtype=torch.bfloat16)
+            if key.endswith("norm.weight")
+            else (torch.randn(shape, generator=g, device=dev) * 0.02).to(torch.bfloat16).cpu()
+        )
         shard[key] = t
         size += t.nbytes
         total += t.nbytes
@@ -156,32 +177,98 @@ def run_child(args: list[str], cap: MemoryCap | None, env: dict, scratch: Path) 
     scratch.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     with open(scratch / "stdout", "wb") as out, open(scratch / "stderr", "wb") as err:
-        proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=out, stderr=err,
-                                preexec_fn=cap.enter if cap else None)
+        proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=out, stderr=err, preexec_fn=cap.enter if cap else None)
         _, status, usage = os.wait4(proc.pid, 0)
     proc.returncode = os.waitstatus_to_exitcode(status)
-    return {"rc": proc.returncode, "seconds": time.perf_counter() - t0, "stdout": (scratch / "stdout").read_text(),
-            "stderr": (scratch / "stderr").read_text(), "peak_rss": usage.ru_maxrss * 1024,
-            "group_peak": cap.peak() if cap else None}
+    return {
+        "rc": proc.returncode,
+        "seconds": time.perf_counter() - t0,
+        "stdout": (scratch / "stdout").read_text(),
+        "stderr": (scratch / "stderr").read_text(),
+        "peak_rss": usage.ru_maxrss * 1024,
+        "group_peak": cap.peak() if cap else None,
+    }
 
 
 def distill_rows(a, bench: list[str], ckpt: Path, cap, env: dict, log) -> list[dict]:
     """A few distillation steps where inference runs (the runtime teacher over the Q4_0 expert
     file, 1 window of 64 tokens a step), then DraftExpert decoding with the draft experts written."""
     out = a.dir / "runs" / "draft_experts.safetensors"
-    cmds = [("distill", [*bench, "distill", "--model", a.model, "--model-path", str(ckpt), "--teacher", "runtime",
-                         "--platform", "mn", "--expert-type", "q4_0", "--steps", str(a.distill_steps), "--batch-size",
-                         "1", "--seq-len", "64", "--held-out", "4", "--threads", "2", "--out", str(out), "--json"]),
-            ("draftexpert, distilled", [*bench, "run", "--model", a.model, "--model-path", str(ckpt), "--platform",
-                                        "mn", "--expert-type", "q4_0", "--method", "draftexpert", "--suite", "gsm8k",
-                                        "--limit", "1", "--max-new-tokens", str(a.tokens), "--out",
-                                        str(a.dir / "runs" / "q4_0-torch-draftexpert-distilled"), "--json",
-                                        "--draft-experts", str(out)])]
+    cmds = [
+        (
+            "distill",
+            [
+                *bench,
+                "distill",
+                "--model",
+                a.model,
+                "--model-path",
+                str(ckpt),
+                "--teacher",
+                "runtime",
+                "--platform",
+                "mn",
+                "--expert-type",
+                "q4_0",
+                "--steps",
+                str(a.distill_steps),
+                "--batch-size",
+                "1",
+                "--seq-len",
+                "64",
+                "--held-out",
+                "4",
+                "--threads",
+                "2",
+                "--out",
+                str(out),
+                "--json",
+            ],
+        ),
+        (
+            "draftexpert, distilled",
+            [
+                *bench,
+                "run",
+                "--model",
+                a.model,
+                "--model-path",
+                str(ckpt),
+                "--platform",
+                "mn",
+                "--expert-type",
+                "q4_0",
+                "--method",
+                "draftexpert",
+                "--suite",
+                "gsm8k",
+                "--limit",
+                "1",
+                "--max-new-tokens",
+                str(a.tokens),
+                "--out",
+                str(a.dir / "runs" / "q4_0-torch-draftexpert-distilled"),
+                "--json",
+                "--draft-experts",
+                str(out),
+            ],
+        ),
+    ]
     rows = []
     for what, cmd in cmds:
         log(f"== q4_0 torch {what}")
-        row = run_row(cmd, cap, env, a.dir / "scratch", log, distill_stats if what == "distill" else record_stats,
-                      type="q4_0", engine="torch", method=what, args="")
+        row = run_row(
+            cmd,
+            cap,
+            env,
+            a.dir / "scratch",
+            log,
+            distill_stats if what == "distill" else record_stats,
+            type="q4_0",
+            engine="torch",
+            method=what,
+            args="",
+        )
         row.pop("tokens", None)
         rows.append(row)
         if row["rc"]:
@@ -192,8 +279,12 @@ def distill_rows(a, bench: list[str], ckpt: Path, cap, env: dict, log) -> list[d
 def record_stats(stdout: str) -> dict:
     """What a row keeps of `bench run --json`: its one record's speed, loading share and tokens."""
     rec = json.loads(stdout)["records"][0]
-    return {"tok_s": rec["decode_tps"], "loading_share": rec.get("loading_share"), "new_tokens": rec["new_tokens"],
-            "tokens": rec["tokens"]}
+    return {
+        "tok_s": rec["decode_tps"],
+        "loading_share": rec.get("loading_share"),
+        "new_tokens": rec["new_tokens"],
+        "tokens": rec["tokens"],
+    }
 
 
 def distill_stats(stdout: str) -> dict:
@@ -204,8 +295,13 @@ def distill_stats(stdout: str) -> dict:
 def run_row(cmd: list[str], cap, env: dict, scratch: Path, log, stats=record_stats, **tags) -> dict:
     """One command in the cap: a row of wall seconds, peaks and `stats` of its JSON output (or its error)."""
     r = run_child(cmd, cap, env, scratch)
-    row = {**tags, "rc": r["rc"], "seconds": round(r["seconds"], 1), "peak_rss_gib": round(r["peak_rss"] / 2**30, 2),
-           "group_peak_gib": r["group_peak"] and round(r["group_peak"] / 2**30, 2)}
+    row = {
+        **tags,
+        "rc": r["rc"],
+        "seconds": round(r["seconds"], 1),
+        "peak_rss_gib": round(r["peak_rss"] / 2**30, 2),
+        "group_peak_gib": r["group_peak"] and round(r["group_peak"] / 2**30, 2),
+    }
     if r["rc"] == 0:
         row.update(stats(r["stdout"]))
     else:
@@ -222,13 +318,47 @@ def cg_rows(a, bench: list[str], ckpt: Path, cap, env: dict, log) -> list[dict]:
     for dtype in a.cg_dtypes.split(","):
         for cell in a.cg_cells.split(","):
             platform, method = cell.split(":")
-            cmd = [*bench, "run", "--model", a.model, "--model-path", str(ckpt), "--platform", platform,
-                   "--method", method, "--dtype", dtype, "--device", a.cg_device, "--suite", "gsm8k", "--limit", "1",
-                   "--max-new-tokens", str(a.tokens), "--out", str(a.dir / "runs" / f"{platform}-{dtype}-{method}"),
-                   "--json", *a.cg_args.split()] + (["--draft-experts", "zero"] if method == "draftexpert" else [])
+            cmd = [
+                *bench,
+                "run",
+                "--model",
+                a.model,
+                "--model-path",
+                str(ckpt),
+                "--platform",
+                platform,
+                "--method",
+                method,
+                "--dtype",
+                dtype,
+                "--device",
+                a.cg_device,
+                "--suite",
+                "gsm8k",
+                "--limit",
+                "1",
+                "--max-new-tokens",
+                str(a.tokens),
+                "--out",
+                str(a.dir / "runs" / f"{platform}-{dtype}-{method}"),
+                "--json",
+                *a.cg_args.split(),
+            ] + (["--draft-experts", "zero"] if method == "draftexpert" else [])
             log(f"== {platform} {dtype} {method} ({a.cg_device}) {a.cg_args}")
-            rows.append(run_row(cmd, cap, env, a.dir / "scratch", log, platform=platform, dtype=dtype, method=method,
-                                device=a.cg_device, args=a.cg_args))
+            rows.append(
+                run_row(
+                    cmd,
+                    cap,
+                    env,
+                    a.dir / "scratch",
+                    log,
+                    platform=platform,
+                    dtype=dtype,
+                    method=method,
+                    device=a.cg_device,
+                    args=a.cg_args,
+                )
+            )
         ar = next((r for r in rows if (r["platform"], r["dtype"], r["method"]) == ("cg", dtype, "ar")), {})
         for row in rows:
             if row["dtype"] == dtype and row is not ar and "tokens" in row and "tokens" in ar:
@@ -253,15 +383,26 @@ def main() -> int:
     ap.add_argument("--types", default="q4_0,bf16")
     ap.add_argument("--tokens", type=int, default=4)
     ap.add_argument("--keep", action="store_true", help="keep the checkpoint and the expert files")
-    ap.add_argument("--distill-steps", type=int, default=2, help="steps of `bench distill --teacher runtime` "
-                    "on mn q4_0, then DraftExpert with those draft experts (0: skip)")
+    ap.add_argument(
+        "--distill-steps",
+        type=int,
+        default=2,
+        help="steps of `bench distill --teacher runtime` "
+        "on mn q4_0, then DraftExpert with those draft experts (0: skip)",
+    )
     ap.add_argument("--model", default="ds", help="the registry name the checkpoint is run as (smoke runs: ds-tiny)")
     ap.add_argument("--config", type=Path, default=REPO / "bench" / "model_facts" / "ds.json")
-    ap.add_argument("--platforms", default="mn", help="mn (both engines, --types) and/or cg (a CUDA GPU: the user's "
-                    "cg commands for real, beside resident)")
+    ap.add_argument(
+        "--platforms",
+        default="mn",
+        help="mn (both engines, --types) and/or cg (a CUDA GPU: the user's cg commands for real, beside resident)",
+    )
     ap.add_argument("--cg-dtypes", default="bf16,fp32")
-    ap.add_argument("--cg-cells", default="resident:ar,cg:ar,cg:top-r,cg:draftexpert",
-                    help="platform:method pairs run in each cg dtype")
+    ap.add_argument(
+        "--cg-cells",
+        default="resident:ar,cg:ar,cg:top-r,cg:draftexpert",
+        help="platform:method pairs run in each cg dtype",
+    )
     ap.add_argument("--cg-args", default="", help="more `bench run` flags for the cg rows, e.g. --compile")
     ap.add_argument("--cg-device", default="cuda", help="cpu: smoke-test the cg rows without a GPU")
     a = ap.parse_args()
@@ -282,22 +423,56 @@ def main() -> int:
             raise SystemExit(f"--platforms: {', '.join(sorted(bad))} is not mn or cg")
         if "cg" in platforms:
             rows += cg_rows(a, bench, ckpt, cap, env, log)
-        for qtype in (a.types.split(",") if "mn" in platforms else []):
+        for qtype in a.types.split(",") if "mn" in platforms else []:
             cells = [(engine, method, []) for engine in ("torch", "llama.cpp") for method in ("ar", "draftexpert")]
             if qtype == "q4_0":  # every draft position's experts kept (the round's bound must hold), and cg
-                cells += [("torch", "draftexpert", ["--no-truncate", "--k-max", "4"]),
-                          ("torch", "ar", ["--platform", "cg", "--device", "cpu"])]  # must refuse before loading
+                cells += [
+                    ("torch", "draftexpert", ["--no-truncate", "--k-max", "4"]),
+                    ("torch", "ar", ["--platform", "cg", "--device", "cpu"]),
+                ]  # must refuse before loading
             for engine, method, extra in cells:
                 tag = "".join(x.strip("-")[:2] for x in extra)
                 out = a.dir / "runs" / f"{qtype}-{engine}-{method}{tag}"
-                cmd = [*bench, "run", "--model", a.model, "--model-path", str(ckpt), "--platform", "mn",
-                       "--expert-type", qtype, "--method", method, "--engine", engine, "--suite", "gsm8k",
-                       "--limit", "1", "--max-new-tokens", str(a.tokens), "--out", str(out), "--json", *extra]
+                cmd = [
+                    *bench,
+                    "run",
+                    "--model",
+                    a.model,
+                    "--model-path",
+                    str(ckpt),
+                    "--platform",
+                    "mn",
+                    "--expert-type",
+                    qtype,
+                    "--method",
+                    method,
+                    "--engine",
+                    engine,
+                    "--suite",
+                    "gsm8k",
+                    "--limit",
+                    "1",
+                    "--max-new-tokens",
+                    str(a.tokens),
+                    "--out",
+                    str(out),
+                    "--json",
+                    *extra,
+                ]
                 if method == "draftexpert":
                     cmd += ["--draft-experts", "zero"]
                 log(f"== {qtype} {engine} {method} {' '.join(extra)}")
-                row = run_row(cmd, cap, env, a.dir / "scratch", log, type=qtype, engine=engine, method=method,
-                              args=" ".join(extra))
+                row = run_row(
+                    cmd,
+                    cap,
+                    env,
+                    a.dir / "scratch",
+                    log,
+                    type=qtype,
+                    engine=engine,
+                    method=method,
+                    args=" ".join(extra),
+                )
                 row.pop("tokens", None)
                 rows.append(row)
             if qtype == "q4_0" and a.distill_steps:
@@ -305,12 +480,34 @@ def main() -> int:
             for f in cache.rglob(f"*{qtype}*"):  # this type's expert file and heads: room for the next
                 f.unlink() if f.is_file() or f.is_symlink() else shutil.rmtree(f)
         for host in ("64GiB", "24GiB"):
-            r = run_child([*bench, "plan", "--model", "ds", "--platform", "cg", "--host-mem", host, "--gpu-mem",
-                           "24GiB", "--json"], None, env, a.dir / "scratch")
+            r = run_child(
+                [
+                    *bench,
+                    "plan",
+                    "--model",
+                    "ds",
+                    "--platform",
+                    "cg",
+                    "--host-mem",
+                    host,
+                    "--gpu-mem",
+                    "24GiB",
+                    "--json",
+                ],
+                None,
+                env,
+                a.dir / "scratch",
+            )
             p = json.loads(r["stdout"])
-            rows.append({"plan": f"cg, host {host}, GPU 24GiB", "fits": p["fits"],
-                         "pinned_gib": p["host_pinned"] / 2**30, "host_gib": p["host"] / 2**30,
-                         "warning": p["warning"]})
+            rows.append(
+                {
+                    "plan": f"cg, host {host}, GPU 24GiB",
+                    "fits": p["fits"],
+                    "pinned_gib": p["host_pinned"] / 2**30,
+                    "host_gib": p["host"] / 2**30,
+                    "warning": p["warning"],
+                }
+            )
             log(json.dumps(rows[-1]))
     finally:
         if cap:

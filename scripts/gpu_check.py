@@ -18,6 +18,7 @@ Checks (exit 1 if any fails):
   transfer    a DS-V2-Lite layer's 6 experts (17.3 MB each, bf16) through the host store against
               one copy of the same bytes from pinned memory; pinned bytes vs data bytes.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,10 +46,26 @@ from draftexpert.runtime.model import KVCache  # noqa: E402
 from draftexpert.speculation.drafters import DraftExperts, make_draft_path  # noqa: E402
 from draftexpert.speculation.round import SpecConfig, SpeculativeDecoder  # noqa: E402
 
-DIMS = dict(vocab_size=512, hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=4,
-            first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=32,
-            n_shared_experts=2, num_experts_per_tok=6, q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16,
-            qk_rope_head_dim=8, v_head_dim=16, n_group=1, topk_group=1)
+DIMS = dict(
+    vocab_size=512,
+    hidden_size=128,
+    intermediate_size=256,
+    moe_intermediate_size=64,
+    num_hidden_layers=4,
+    first_k_dense_replace=1,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    n_routed_experts=32,
+    n_shared_experts=2,
+    num_experts_per_tok=6,
+    q_lora_rank=None,
+    kv_lora_rank=32,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    n_group=1,
+    topk_group=1,
+)
 PROMPTS = [[(7 * i + 3 * j) % 500 + 1 for j in range(n)] for i, n in enumerate((5, 9, 14, 3))]
 NEW = 32
 DS_LAYER = dict(experts=6, hidden=2048, inter=1408)  # DS-V2-Lite: hidden 2048, moe_intermediate 1408, top-6
@@ -77,8 +94,9 @@ def speculative(model, method: str, conf: SpecConfig):
     cfg = model.cfg
     experts = None
     if method == "draftexpert":
-        experts = DraftExperts.random(list(range(cfg.first_dense, cfg.layers)), cfg.hidden, cfg.moe_inter,
-                                      dtype=model.embed.dtype)
+        experts = DraftExperts.random(
+            list(range(cfg.first_dense, cfg.layers)), cfg.hidden, cfg.moe_inter, dtype=model.embed.dtype
+        )
     return SpeculativeDecoder(TorchEngine(model, make_draft_path(model, method, r=1, experts=experts)), conf)
 
 
@@ -97,8 +115,11 @@ def exactness(folder: Path, device: str) -> dict:
             into[name] = fn()
         except Exception as e:  # noqa: BLE001 -- reported, and counted as a failed check
             into[name] = False if into is checks else None
-            errors[name] = "".join(traceback.format_exception_only(e)).strip() + " @ " + \
-                " <- ".join(f"{Path(f.filename).name}:{f.lineno}" for f in traceback.extract_tb(e.__traceback__)[-4:])
+            errors[name] = (
+                "".join(traceback.format_exception_only(e)).strip()
+                + " @ "
+                + " <- ".join(f"{Path(f.filename).name}:{f.lineno}" for f in traceback.extract_tb(e.__traceback__)[-4:])
+            )
         print(f"  {name}: {into[name]} ({time.perf_counter() - t0:.1f} s)", file=sys.stderr, flush=True)
 
     def compiled_ar():
@@ -111,27 +132,52 @@ def exactness(folder: Path, device: str) -> dict:
 
     resident = decode(AROffloadDecoder(TorchEngine(build_model(folder, "resident", device=device, dtype=f32))))
     guarded("ar host = ar resident", lambda: decode(AROffloadDecoder(TorchEngine(host()))) == resident, checks)
-    guarded("top-1 fixed K = ar", lambda: decode(speculative(
-        host(), "top-r", SpecConfig(k_max=4, truncate=False, prefetch=False))) == resident, checks)
-    guarded("draftexpert truncate+prefetch = ar", lambda: decode(speculative(host(), "draftexpert", de)) == resident,
-            checks)
-    guarded("draftexpert, working set 10 experts = ar", lambda: decode(
-        speculative(host(working_set_bytes=10 * one), "draftexpert", de)) == resident, checks)
+    guarded(
+        "top-1 fixed K = ar",
+        lambda: decode(speculative(host(), "top-r", SpecConfig(k_max=4, truncate=False, prefetch=False))) == resident,
+        checks,
+    )
+    guarded(
+        "draftexpert truncate+prefetch = ar", lambda: decode(speculative(host(), "draftexpert", de)) == resident, checks
+    )
+    guarded(
+        "draftexpert, working set 10 experts = ar",
+        lambda: decode(speculative(host(working_set_bytes=10 * one), "draftexpert", de)) == resident,
+        checks,
+    )
     guarded("compiled ar = eager ar", lambda: compiled_ar() == resident, checks)
     runs = {}
     guarded("T > 0 reproducible per seed", lambda: runs.setdefault("a", sampled(1)) == sampled(1), checks)
     guarded("T > 0: another seed, other tokens", lambda: runs["a"] != sampled(2), notes)
     for name, dt in (("fp32", f32), ("bf16", torch.bfloat16)):
-        guarded(f"{name}: verify rows vs one-token steps, max |logit difference|",
-                lambda dt=dt: verify_gap(host(dtype=dt)), notes)
+        guarded(
+            f"{name}: verify rows vs one-token steps, max |logit difference|",
+            lambda dt=dt: verify_gap(host(dtype=dt)),
+            notes,
+        )
     if device == "cuda":
         guarded("host syncs per token (AR, host store)", lambda: host_syncs(host()), notes)
     bf16_res = []
-    guarded("bf16: ar host = ar resident", lambda: bf16_res.extend(decode(AROffloadDecoder(TorchEngine(build_model(
-        folder, "resident", device=device, dtype=torch.bfloat16))))) or decode(AROffloadDecoder(TorchEngine(
-            host(dtype=torch.bfloat16)))) == bf16_res, checks)
-    guarded("bf16: draftexpert prompts equal to ar", lambda: "{}/{}".format(sum(a == b for a, b in zip(
-        decode(speculative(host(dtype=torch.bfloat16), "draftexpert", de)), bf16_res)), len(PROMPTS)), notes)
+    guarded(
+        "bf16: ar host = ar resident",
+        lambda: (
+            bf16_res.extend(
+                decode(
+                    AROffloadDecoder(TorchEngine(build_model(folder, "resident", device=device, dtype=torch.bfloat16)))
+                )
+            )
+            or decode(AROffloadDecoder(TorchEngine(host(dtype=torch.bfloat16)))) == bf16_res
+        ),
+        checks,
+    )
+    guarded(
+        "bf16: draftexpert prompts equal to ar",
+        lambda: "{}/{}".format(
+            sum(a == b for a, b in zip(decode(speculative(host(dtype=torch.bfloat16), "draftexpert", de)), bf16_res)),
+            len(PROMPTS),
+        ),
+        notes,
+    )
     return {"checks": checks, "notes": notes, "errors": errors}
 
 
@@ -148,7 +194,7 @@ def verify_gap(model, prompt=PROMPTS[2], block: int = 5) -> float:
         return cache
 
     steps_cache, block_cache = prefilled(), prefilled()
-    steps = torch.cat([model.forward(ids[j:j + 1], steps_cache, "ar") for j in range(len(ids) - block, len(ids))])
+    steps = torch.cat([model.forward(ids[j : j + 1], steps_cache, "ar") for j in range(len(ids) - block, len(ids))])
     rows = model.forward(ids[-block:], block_cache, "verify")
     model.experts.close()
     return float((rows.float() - steps.float()).abs().max())
@@ -169,8 +215,11 @@ def host_syncs(model, new: int = 16) -> dict:
     decoder.close()
     syncs = [w for w in caught if "synchroniz" in str(w.message)]
     sites = collections.Counter(f"{Path(w.filename).name}:{w.lineno}" for w in syncs)
-    return {"per_token": len(syncs) / new, "moe_layers": DIMS["num_hidden_layers"] - DIMS["first_k_dense_replace"],
-            "top_sites": dict(sites.most_common(3))}
+    return {
+        "per_token": len(syncs) / new,
+        "moe_layers": DIMS["num_hidden_layers"] - DIMS["first_k_dense_replace"],
+        "top_sites": dict(sites.most_common(3)),
+    }
 
 
 def _median_s(fn, repeats: int, sync) -> float:
@@ -202,10 +251,17 @@ def transfer(device: str, repeats: int = 20) -> dict:
     pinned = pool.flat.is_pinned() if cuda else False
     store.close()
     data = DS_LAYER["experts"] * 3 * DS_LAYER["hidden"] * DS_LAYER["inter"] * 2
-    return {"bytes": data, "pool_bytes": pool.nbytes, "pool_pinned": pinned,
-            "torch_pinned_allocator_would_take": 1 << (data - 1).bit_length(),
-            "host_store_s": store_s, "one_copy_s": copy_s, "host_store_gb_s": data / store_s / 1e9,
-            "one_copy_gb_s": data / copy_s / 1e9, "efficiency": copy_s / store_s}
+    return {
+        "bytes": data,
+        "pool_bytes": pool.nbytes,
+        "pool_pinned": pinned,
+        "torch_pinned_allocator_would_take": 1 << (data - 1).bit_length(),
+        "host_store_s": store_s,
+        "one_copy_s": copy_s,
+        "host_store_gb_s": data / store_s / 1e9,
+        "one_copy_gb_s": data / copy_s / 1e9,
+        "efficiency": copy_s / store_s,
+    }
 
 
 def main() -> int:
@@ -214,12 +270,17 @@ def main() -> int:
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
-        print("gpu_check: torch sees no CUDA device (use --device cpu to run the same checks on the CPU)",
-              file=sys.stderr)
+        print(
+            "gpu_check: torch sees no CUDA device (use --device cpu to run the same checks on the CPU)", file=sys.stderr
+        )
         return 2
     t0 = time.perf_counter()
-    report = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-              "torch": torch.__version__, "transformers": transformers.__version__, "models": {}}
+    report = {
+        "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "models": {},
+    }
 
     def save() -> None:  # after every stage: a run cut short still leaves what it measured
         if args.out:

@@ -1,5 +1,6 @@
 """Shared fixtures: a tiny random DeepseekV2 checkpoint in Hugging Face format, with a small
 byte-level BPE tokenizer trained on the spot (no network, no committed weights needed)."""
+
 from __future__ import annotations
 
 import os
@@ -30,11 +31,28 @@ def tiny_checkpoint(tmp_path_factory) -> Path:
     texts = [" ".join(words[i:] + words[:i]) for i in range(len(words))] * 20
     tok = train_tokenizer(iter(texts), folder, vocab_size=300)
     cfg = DeepseekV2Config(
-        vocab_size=len(tok), hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
-        first_k_dense_replace=1, num_attention_heads=2, num_key_value_heads=2, n_routed_experts=8,
-        n_shared_experts=2, num_experts_per_tok=2, n_group=1, topk_group=1, q_lora_rank=None, kv_lora_rank=16,
-        qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, topk_method="greedy",
-        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        first_k_dense_replace=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        n_routed_experts=8,
+        n_shared_experts=2,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        q_lora_rank=None,
+        kv_lora_rank=16,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=8,
+        v_head_dim=8,
+        topk_method="greedy",
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
     )
     torch.manual_seed(0)
     DeepseekV2ForCausalLM(cfg).save_pretrained(folder)

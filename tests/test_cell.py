@@ -1,4 +1,5 @@
 """The cell: one typed description of a run, its applicability rules, and the record keys it yields."""
+
 from dataclasses import asdict, fields
 
 import pytest
@@ -16,8 +17,16 @@ from tests.conftest import REPO
 
 
 def test_choices_are_checked_once_and_named():
-    for field, bad in (("platform", "gpu"), ("engine", "vllm"), ("method", "eagle"), ("dtype", "fp16"),
-                       ("expert_type", "q8_0"), ("head_type", "int4"), ("expert_kernel", "cublas"), ("device", "tpu")):
+    for field, bad in (
+        ("platform", "gpu"),
+        ("engine", "vllm"),
+        ("method", "eagle"),
+        ("dtype", "fp16"),
+        ("expert_type", "q8_0"),
+        ("head_type", "int4"),
+        ("expert_kernel", "cublas"),
+        ("device", "tpu"),
+    ):
         with pytest.raises(CellError, match=f"^{flag(field)}: '{bad}' is not one of"):
             Cell(**{field: bad})
     with pytest.raises(CellError, match="--staging: 'odirect' is not one of demand, pagefault"):
@@ -41,8 +50,9 @@ def test_rules_refuse_or_warn_only_what_was_given():
     with pytest.raises(CellError, match="--r does not apply to --method draftexpert"):
         build({"r"}, method="draftexpert", r=2)
     cell, warnings = build({"cache_experts"}, platform="resident", cache_experts=8)
-    assert warnings == ["--cache-experts does not apply to --platform resident (every expert is already on the "
-                        "accelerator); ignored"]
+    assert warnings == [
+        "--cache-experts does not apply to --platform resident (every expert is already on the accelerator); ignored"
+    ]
     assert cell.cache_experts == 0  # ignored means ignored: not in the cell, not in its key
     cell, warnings = build({"platform", "seed"}, method="reference", platform="mn", seed=3)
     assert len(warnings) == 1 and cell.config().platform == "resident" and cell.config().method_args == {}
@@ -90,8 +100,11 @@ def test_committed_records_keep_their_keys(engine, monkeypatch):
     for label, method, over in compare.METHODS:
         over = dict(over)
         platform = over.pop("platform", "mn")
-        cell = base.with_(method=method, **over) if platform == "mn" else \
-            base.with_(method=method, platform=platform, resident_from_file=True, **over)
+        cell = (
+            base.with_(method=method, **over)
+            if platform == "mn"
+            else base.with_(method=method, platform=platform, resident_from_file=True, **over)
+        )
         dec, _, cfg = make_decoder(cell, folder, lambda qt: expert_file_for("ds-tiny", folder, qt))
         dec.close()
         conf = asdict(cfg)  # a record's key is this configuration and its machine: compare the configuration

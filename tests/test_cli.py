@@ -34,8 +34,19 @@ def test_env_rejects_tiny_block():
 def test_reproduce_writes_fig1a_and_lists_pending(tmp_path):
     """Every step end to end on ds-tiny (ml-tiny's V3 routing goes through the same steps; its engines, drafters
     and sweeps are tested on their own)."""
-    p = run_bench("reproduce", "--results", str(tmp_path), "--per-suite", "1", "--max-new-tokens", "6", "--json",
-                  "--model", "ds-tiny", env={"DRAFTEXPERT_CACHE": str(tmp_path / "cache")})
+    p = run_bench(
+        "reproduce",
+        "--results",
+        str(tmp_path),
+        "--per-suite",
+        "1",
+        "--max-new-tokens",
+        "6",
+        "--json",
+        "--model",
+        "ds-tiny",
+        env={"DRAFTEXPERT_CACHE": str(tmp_path / "cache")},
+    )
     assert p.returncode == 0, p.stderr
     s = json.loads(p.stdout)
     assert not (tmp_path / "spec_compare_ml-tiny_mn.json").exists()  # --model: only the models named
@@ -93,12 +104,19 @@ def test_reproduce_writes_fig1a_and_lists_pending(tmp_path):
 def test_reproduce_cg_rows_put_the_resident_bound_and_the_copy_in_limit_beside_ar(tmp_path, monkeypatch):
     """Table 2's cg rows (what `make reproduce` runs on a GPU machine), here with the CPU as the accelerator."""
     monkeypatch.setenv("DRAFTEXPERT_CACHE", str(tmp_path / "cache"))
-    written = spec_compare(tmp_path, lambda m: None, per_suite=1, tokens=4, models=("ds-tiny",), platform="cg",
-                           device="cpu")
+    written = spec_compare(
+        tmp_path, lambda m: None, per_suite=1, tokens=4, models=("ds-tiny",), platform="cg", device="cpu"
+    )
     assert "results/spec_compare_ds-tiny_cg_cpu.md" in written
     res = json.loads((tmp_path / "spec_compare_ds-tiny_cg_cpu.json").read_text())
-    assert res["platform"] == "cg" and set(res["methods"]) == {"ar", "ar-resident", "top-1", "top-2", "top-3",
-                                                                 "draftexpert"}
+    assert res["platform"] == "cg" and set(res["methods"]) == {
+        "ar",
+        "ar-resident",
+        "top-1",
+        "top-2",
+        "top-3",
+        "draftexpert",
+    }
     assert all(res["tokens_equal_ar"].values())
     rows = res["methods"]
     assert rows["ar-resident"]["platform"] == "resident" and rows["ar-resident"]["method_args"]["device"] == "cpu"
@@ -109,8 +127,23 @@ def test_reproduce_cg_rows_put_the_resident_bound_and_the_copy_in_limit_beside_a
 
 def test_a_staging_the_engine_lacks_is_refused_by_name(tmp_path):
     for engine, staging in (("torch", "pagefault"), ("llama.cpp", "odirect")):
-        p = run_bench("run", "--model", "ds-tiny", "--method", "ar", "--engine", engine, "--staging", staging,
-                      "--limit", "1", "--max-new-tokens", "2", "--out", str(tmp_path / engine))
+        p = run_bench(
+            "run",
+            "--model",
+            "ds-tiny",
+            "--method",
+            "ar",
+            "--engine",
+            engine,
+            "--staging",
+            staging,
+            "--limit",
+            "1",
+            "--max-new-tokens",
+            "2",
+            "--out",
+            str(tmp_path / engine),
+        )
         assert p.returncode != 0 and "--staging" in p.stderr and staging in p.stderr, p.stderr
         assert not (tmp_path / engine / "records.jsonl").exists()
 
@@ -123,8 +156,19 @@ def test_reproduce_names_a_model_it_cannot_run(tmp_path):
 
 @pytest.mark.parametrize("staging", ["demand", "odirect"])
 def test_speed_flash_measures_a_layers_loads_against_odirect_reads(staging):
-    p = run_bench("speed", "flash", "--model", "ds-tiny", "--expert-type", "q4_0", "--repeats", "3", "--staging",
-                  staging, "--json")
+    p = run_bench(
+        "speed",
+        "flash",
+        "--model",
+        "ds-tiny",
+        "--expert-type",
+        "q4_0",
+        "--repeats",
+        "3",
+        "--staging",
+        staging,
+        "--json",
+    )
     assert p.returncode == 0, p.stderr
     r = json.loads(p.stdout)
     assert r["staging"] == staging and r["experts"] == 6 and r["load_ms"]["n"] == 3 and r["read_gb_per_s"] > 0
@@ -136,8 +180,9 @@ def test_speed_engines_reports_both_engines_beside_their_resident_bounds():
     """`bench speed engines` (the engine ratio and AR / resident): every configuration decoded,
     each engine's staged AR equal to its resident bound token for token."""
     pytest.importorskip("llama_cpp")
-    p = run_bench("speed", "engines", "--model", "ds-tiny", "--suite", "chat", "--max-new-tokens", "8",
-                  "--rounds", "1", "--json")
+    p = run_bench(
+        "speed", "engines", "--model", "ds-tiny", "--suite", "chat", "--max-new-tokens", "8", "--rounds", "1", "--json"
+    )
     assert p.returncode == 0, p.stderr
     r = json.loads(p.stdout)
     assert set(r["ms_per_token"]) == {label for label, _ in ENGINE_CELLS}

@@ -2,6 +2,7 @@
 function): the library never imports the harness, figures never run a model, the round knows no engine,
 the runtime uses nothing else of the library, AR offload only the contracts, and the harness's jobs
 point one way (commands → steps → cells → runs → suites)."""
+
 from __future__ import annotations
 
 import ast
@@ -13,18 +14,30 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # (importing package, imported prefix): never
 NEVER = [
-    ("draftexpert", "bench"), ("draftexpert", "baselines"), ("draftexpert", "paper_figs"),
-    ("paper_figs", "draftexpert.runtime"), ("paper_figs", "draftexpert.engines"),
-    ("paper_figs", "draftexpert.speculation"), ("paper_figs", "draftexpert.training"),
-    ("paper_figs", "baselines"), ("paper_figs", "torch"), ("paper_figs", "bench"),
-    ("draftexpert.speculation", "draftexpert.runtime"), ("draftexpert.speculation", "draftexpert.engines"),
+    ("draftexpert", "bench"),
+    ("draftexpert", "baselines"),
+    ("draftexpert", "paper_figs"),
+    ("paper_figs", "draftexpert.runtime"),
+    ("paper_figs", "draftexpert.engines"),
+    ("paper_figs", "draftexpert.speculation"),
+    ("paper_figs", "draftexpert.training"),
+    ("paper_figs", "baselines"),
+    ("paper_figs", "torch"),
+    ("paper_figs", "bench"),
+    ("draftexpert.speculation", "draftexpert.runtime"),
+    ("draftexpert.speculation", "draftexpert.engines"),
     ("draftexpert.speculation", "draftexpert.training"),
-    ("draftexpert.runtime", "draftexpert.speculation"), ("draftexpert.runtime", "draftexpert.engines"),
-    ("draftexpert.runtime", "draftexpert.training"), ("draftexpert.runtime", "draftexpert.decoding"),
+    ("draftexpert.runtime", "draftexpert.speculation"),
+    ("draftexpert.runtime", "draftexpert.engines"),
+    ("draftexpert.runtime", "draftexpert.training"),
+    ("draftexpert.runtime", "draftexpert.decoding"),
     ("draftexpert.runtime", "draftexpert.metrics"),
-    ("draftexpert.decoding", "draftexpert."), ("draftexpert.metrics", "draftexpert."),
-    ("baselines", "draftexpert.runtime"), ("baselines", "draftexpert.engines"),
-    ("baselines", "draftexpert.speculation"), ("baselines", "bench"),
+    ("draftexpert.decoding", "draftexpert."),
+    ("draftexpert.metrics", "draftexpert."),
+    ("baselines", "draftexpert.runtime"),
+    ("baselines", "draftexpert.engines"),
+    ("baselines", "draftexpert.speculation"),
+    ("baselines", "bench"),
     # bench by job: cli → steps → cells → runs → suites; tiny → suites; only the CLI imports the CLI
     *[(src, "bench.cli") for src in ("bench.steps", "bench.cells", "bench.runs", "bench.suites", "bench.tiny")],
     *[(src, "bench.steps") for src in ("bench.cells", "bench.runs", "bench.suites", "bench.tiny")],
@@ -67,8 +80,11 @@ def violations(files, root: Path = ROOT) -> list[str]:
         for src, dst in NEVER:
             if not within(mod, src):
                 continue
-            found += [f"{mod} imports {i} (never {src} → {dst})"
-                      for i in sorted(imports(f, root)) if within(i, dst) and not within(i, src)]
+            found += [
+                f"{mod} imports {i} (never {src} → {dst})"
+                for i in sorted(imports(f, root))
+                if within(i, dst) and not within(i, src)
+            ]
     return found
 
 
@@ -83,14 +99,20 @@ def test_the_check_catches_a_broken_arrow(tmp_path):
     f = tmp_path / "draftexpert" / "speculation" / "bad.py"
     f.parent.mkdir(parents=True)
     f.write_text("def g():\n    from ..runtime import model\n    return model\n")
-    assert violations([f], tmp_path) == ["draftexpert.speculation.bad imports draftexpert.runtime "
-                               "(never draftexpert.speculation → draftexpert.runtime)",
-                               "draftexpert.speculation.bad imports draftexpert.runtime.model "
-                               "(never draftexpert.speculation → draftexpert.runtime)"]
+    assert violations([f], tmp_path) == [
+        "draftexpert.speculation.bad imports draftexpert.runtime (never draftexpert.speculation → draftexpert.runtime)",
+        "draftexpert.speculation.bad imports draftexpert.runtime.model "
+        "(never draftexpert.speculation → draftexpert.runtime)",
+    ]
 
 
-@pytest.mark.parametrize("mod, imported, broken", [("draftexpert.engines.x", "bench.cells.cell", True),
-                                                   ("draftexpert.engines.x", "draftexpert.runtime", False),
-                                                   ("paper_figs.fig2", "draftexpert.metrics", False)])
+@pytest.mark.parametrize(
+    "mod, imported, broken",
+    [
+        ("draftexpert.engines.x", "bench.cells.cell", True),
+        ("draftexpert.engines.x", "draftexpert.runtime", False),
+        ("paper_figs.fig2", "draftexpert.metrics", False),
+    ],
+)
 def test_rule_table(mod, imported, broken):
     assert any(within(mod, s) and within(imported, d) and not within(imported, s) for s, d in NEVER) is broken

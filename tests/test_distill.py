@@ -1,5 +1,6 @@
 """Self-distillation of draft experts: the loss terms on hand-checkable cases, the training path
 equal to the decoding path, a frozen target, and checkpoints that refuse a foreign target."""
+
 import inspect
 
 import numpy as np
@@ -32,10 +33,26 @@ from draftexpert.training.distill import (
     train,
 )
 
-COMMON = dict(vocab_size=300, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
-              first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=16,
-              n_shared_experts=2, q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16,
-              qk_rope_head_dim=8, v_head_dim=16, n_group=1, topk_group=1, initializer_range=0.3)
+COMMON = dict(
+    vocab_size=300,
+    hidden_size=64,
+    intermediate_size=128,
+    moe_intermediate_size=32,
+    num_hidden_layers=3,
+    first_k_dense_replace=1,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    n_routed_experts=16,
+    n_shared_experts=2,
+    q_lora_rank=None,
+    kv_lora_rank=32,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    n_group=1,
+    topk_group=1,
+    initializer_range=0.3,
+)
 
 
 def model(version: str, top_k: int = 4, layers: int = 3):
@@ -44,8 +61,9 @@ def model(version: str, top_k: int = 4, layers: int = 3):
     if version == "v2":
         m = DeepseekV2ForCausalLM(DeepseekV2Config(**common, num_experts_per_tok=top_k, topk_method="greedy"))
     else:
-        m = DeepseekV3ForCausalLM(DeepseekV3Config(**common, num_experts_per_tok=top_k, norm_topk_prob=True,
-                                                   routed_scaling_factor=2.5))
+        m = DeepseekV3ForCausalLM(
+            DeepseekV3Config(**common, num_experts_per_tok=top_k, norm_topk_prob=True, routed_scaling_factor=2.5)
+        )
         for layer in m.model.layers[1:]:
             layer.mlp.gate.e_score_correction_bias.normal_(0, 0.05)
     m.set_experts_implementation("eager")
@@ -90,6 +108,7 @@ def test_continuation_agreement_reads_the_positions_that_predict_the_emitted_tok
             z = self.target_pass(x)["logits"].clone()
             z[:, :3] = z[:, :3].roll(1, -1)  # disagree before position 3 = len(prompt) - 1
             return {"logits": z}
+
     r = evaluate_continuations(Teacher(), None, [([1, 2, 3, 4], [5, 6, 7])])
     assert r["tokens"] == 3 and r["token_agreement"] == 1.0
 
@@ -129,21 +148,31 @@ def test_distillation_trains_only_the_draft_experts(tmp_path):
     hf = model("v2")
     before = {k: v.clone() for k, v in hf.state_dict().items()}
     data = np.random.default_rng(0).integers(3, 300, 4000).astype(np.uint16)
-    cfg = DistillConfig(preset="full", intermediate=8, steps=6, batch_size=2, seq_len=16, eval_every=3,
-                        checkpoint_every=3, warmup=1)
+    cfg = DistillConfig(
+        preset="full", intermediate=8, steps=6, batch_size=2, seq_len=16, eval_every=3, checkpoint_every=3, warmup=1
+    )
     teacher = TransformersTeacher(hf)
-    draft, hist = train(teacher, data, eval_windows(data, 4, 16), cfg, tmp_path / "state", log=lambda m: None,
-                        progress=False)
+    draft, hist = train(
+        teacher, data, eval_windows(data, 4, 16), cfg, tmp_path / "state", log=lambda m: None, progress=False
+    )
     assert all(torch.equal(before[k], v) for k, v in hf.state_dict().items())
     assert all(p.abs().sum() > 0 for p in draft.down.values())  # started at 0, moved
     assert {"res", "logit", "tok", "router", "loss"} <= set(hist[0]) and "eval" in hist[2]
     # resuming a finished run does nothing more and returns the same experts
-    again, hist2 = train(teacher, data, eval_windows(data, 4, 16), cfg, tmp_path / "state", log=lambda m: None,
-                         progress=False)
+    again, hist2 = train(
+        teacher, data, eval_windows(data, 4, 16), cfg, tmp_path / "state", log=lambda m: None, progress=False
+    )
     assert len(hist2) == 6 and all(torch.equal(a, b) for a, b in zip(draft.parameters(), again.parameters()))
     with pytest.raises(DistillError, match="another configuration"):
-        train(teacher, data, [], DistillConfig(preset="residual", intermediate=8, steps=6, batch_size=2, seq_len=16),
-              tmp_path / "state", log=lambda m: None, progress=False)
+        train(
+            teacher,
+            data,
+            [],
+            DistillConfig(preset="residual", intermediate=8, steps=6, batch_size=2, seq_len=16),
+            tmp_path / "state",
+            log=lambda m: None,
+            progress=False,
+        )
 
 
 def test_checkpoint_refuses_a_foreign_target(tmp_path):
@@ -203,14 +232,23 @@ def test_the_runtime_teacher_is_the_transformers_teacher(version, store, tmp_pat
 def test_distillation_runs_through_the_offload_runtime(tmp_path):
     """`train` with the runtime teacher over the flash store (Q4_0 experts, as on mn): it trains."""
     model("v3").save_pretrained(tmp_path / "ckpt")
-    lean = build_model(tmp_path / "ckpt", "flash",
-                       gguf_path=convert_experts(tmp_path / "ckpt", tmp_path / "e.gguf", "q4_0"))
+    lean = build_model(
+        tmp_path / "ckpt", "flash", gguf_path=convert_experts(tmp_path / "ckpt", tmp_path / "e.gguf", "q4_0")
+    )
     data = np.random.default_rng(0).integers(3, 300, 4000).astype(np.uint16)
     cfg = DistillConfig(preset="full", intermediate=8, steps=3, batch_size=2, seq_len=16, eval_every=3, warmup=1)
-    draft, hist = train(RuntimeTeacher(lean), data, eval_windows(data, 4, 16), cfg, tmp_path / "state",
-                        log=lambda m: None, progress=False)
+    draft, hist = train(
+        RuntimeTeacher(lean),
+        data,
+        eval_windows(data, 4, 16),
+        cfg,
+        tmp_path / "state",
+        log=lambda m: None,
+        progress=False,
+    )
     assert all(p.abs().sum() > 0 for p in draft.down.values()) and len(hist) == 3
     assert 0 <= hist[-1]["eval"]["router_agreement"] <= 1
+
 
 def test_resumable_state_is_keyed_by_the_target_weights(tmp_path):
     """A retrained target (same config, new weights) must not resume the old target's distillation."""
@@ -220,8 +258,9 @@ def test_resumable_state_is_keyed_by_the_target_weights(tmp_path):
     here = state_dir("ds-tiny", tmp_path / "a", cfg, "transformers", "mn", "q4_0")
     assert here == state_dir("ds-tiny", tmp_path / "a", cfg, "transformers", "mn", "q4_0")
     assert here != state_dir("ds-tiny", tmp_path / "b", cfg, "transformers", "mn", "q4_0")
-    assert here != state_dir("ds-tiny", tmp_path / "a", DistillConfig(preset="full", intermediate=16), "transformers",
-                             "mn", "q4_0")
+    assert here != state_dir(
+        "ds-tiny", tmp_path / "a", DistillConfig(preset="full", intermediate=16), "transformers", "mn", "q4_0"
+    )
 
 
 def test_bench_distill_defaults_are_the_trainers():

@@ -1,5 +1,6 @@
 """lm-eval through the registered `draftexpert` model, for real: generation through the suite's
 decoders (answers identical across methods), scoring through the target's forward."""
+
 from __future__ import annotations
 
 import json
@@ -33,10 +34,25 @@ def test_the_offline_tasks_read_the_shipped_data():
 
 def test_lm_eval_command_line_runs_the_registered_model(tiny_checkpoint, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    args = (f"model=ds-tiny,model_path={tiny_checkpoint},method=draftexpert,platform=resident,max_gen_toks=6,"
-            f"out={tmp_path / 'run'},draft_experts=zero")
-    lm_eval_main(["--model", "draftexpert", "--model_args", args, "--tasks", "mbpp_offline", "--limit", "2",
-                  "--confirm_run_unsafe_code", "--output_path", str(tmp_path / "lm-eval")])
+    args = (
+        f"model=ds-tiny,model_path={tiny_checkpoint},method=draftexpert,platform=resident,max_gen_toks=6,"
+        f"out={tmp_path / 'run'},draft_experts=zero"
+    )
+    lm_eval_main(
+        [
+            "--model",
+            "draftexpert",
+            "--model_args",
+            args,
+            "--tasks",
+            "mbpp_offline",
+            "--limit",
+            "2",
+            "--confirm_run_unsafe_code",
+            "--output_path",
+            str(tmp_path / "lm-eval"),
+        ]
+    )
     assert "mbpp_offline" in capsys.readouterr().out
     recs = [json.loads(line) for line in (tmp_path / "run" / "records.jsonl").read_text().splitlines()]
     assert len(recs) == 2 and all(r["method"] == "draftexpert" and r["category"] == "mbpp_offline" for r in recs)
@@ -47,23 +63,57 @@ def test_lm_eval_command_line_runs_the_registered_model(tiny_checkpoint, tmp_pat
 def test_bench_eval_methods_answer_identically(tiny_checkpoint, tmp_path, monkeypatch):
     monkeypatch.setenv("DRAFTEXPERT_CACHE", str(tmp_path / "cache"))
     args = {"expert_type": "f32", "draft_experts": "zero"}
-    res = evaluate("ds-tiny", tiny_checkpoint, ["mbpp"], ["ar", "top-r", "draftexpert"], tmp_path / "eval",
-                   platform="mn", limit=3, max_gen_toks=8, allow_code=True, lm_args=args, log=lambda m: None)
+    res = evaluate(
+        "ds-tiny",
+        tiny_checkpoint,
+        ["mbpp"],
+        ["ar", "top-r", "draftexpert"],
+        tmp_path / "eval",
+        platform="mn",
+        limit=3,
+        max_gen_toks=8,
+        allow_code=True,
+        lm_args=args,
+        log=lambda m: None,
+    )
     rows = {r["method"]: r for r in res["rows"]}
     assert res["mismatches"] == 0 and all(r["answers_equal"] and r["samples"] == 3 for r in rows.values())
     assert rows["ar"]["scores"] == rows["draftexpert"]["scores"] == rows["top-r"]["scores"]
     assert rows["ar"]["alpha"] is None and 0 <= rows["draftexpert"]["alpha"] <= 1
     assert all(r["decode_tps"] > 0 for r in rows.values())
     assert json.loads((tmp_path / "eval" / "eval.json").read_text())["rows"] == res["rows"]
-    again = evaluate("ds-tiny", tiny_checkpoint, ["mbpp"], ["ar"], tmp_path / "eval", platform="mn", limit=3,
-                     max_gen_toks=8, allow_code=True, lm_args=args, log=lambda m: None)  # resumed: nothing decoded
+    again = evaluate(
+        "ds-tiny",
+        tiny_checkpoint,
+        ["mbpp"],
+        ["ar"],
+        tmp_path / "eval",
+        platform="mn",
+        limit=3,
+        max_gen_toks=8,
+        allow_code=True,
+        lm_args=args,
+        log=lambda m: None,
+    )  # resumed: nothing decoded
     assert again["rows"][0]["scores"] == rows["ar"]["scores"]
     assert len((tmp_path / "eval" / "ar" / "records.jsonl").read_text().splitlines()) == 3
 
 
 def test_a_task_that_runs_code_needs_the_flag(tiny_checkpoint, tmp_path):
-    res = CliRunner().invoke(app, ["eval", "--model", "ds-tiny", "--model-path", str(tiny_checkpoint), "--tasks",
-                                   "gsm8k,mbpp", "--out", str(tmp_path / "out")])
+    res = CliRunner().invoke(
+        app,
+        [
+            "eval",
+            "--model",
+            "ds-tiny",
+            "--model-path",
+            str(tiny_checkpoint),
+            "--tasks",
+            "gsm8k,mbpp",
+            "--out",
+            str(tmp_path / "out"),
+        ],
+    )
     assert res.exit_code == 2 and "pass --allow-code-execution" in res.output
     assert not (tmp_path / "out").exists()
 

@@ -1,5 +1,6 @@
 """Nothing silently wrong: every fault a user can walk into exits with one line naming the problem
 and the fix (or skips with a recorded reason), and leaves no half-written file."""
+
 import errno
 import json
 import os
@@ -31,8 +32,24 @@ def _env(tmp_path):
 
 
 def _run(ckpt, out, *extra, limit=1, tokens=4):
-    return ["run", "--model", "ds-tiny", "--model-path", str(ckpt), "--suite", "gsm8k", "--limit", str(limit),
-            "--max-new-tokens", str(tokens), "--out", str(out), "--threads", "1", *extra]
+    return [
+        "run",
+        "--model",
+        "ds-tiny",
+        "--model-path",
+        str(ckpt),
+        "--suite",
+        "gsm8k",
+        "--limit",
+        str(limit),
+        "--max-new-tokens",
+        str(tokens),
+        "--out",
+        str(out),
+        "--threads",
+        "1",
+        *extra,
+    ]
 
 
 def _one_line_error(p, *words):
@@ -121,8 +138,9 @@ def test_non_finite_logits_stop_the_run_without_a_record(tiny_checkpoint, tmp_pa
 
 def test_prompts_past_the_context_are_skipped_with_their_reason_or_refused(tiny_checkpoint, tmp_path):
     out = tmp_path / "run"
-    p = run_bench(*_run(tiny_checkpoint, out, "--platform", "resident", "--json", limit=2, tokens=2040),
-                  env=_env(tmp_path))
+    p = run_bench(
+        *_run(tiny_checkpoint, out, "--platform", "resident", "--json", limit=2, tokens=2040), env=_env(tmp_path)
+    )
     assert p.returncode == 0, p.stderr
     s = json.loads(p.stdout)
     assert s["written"] == 0 and len(s["skipped_context"]) == 2
@@ -223,11 +241,18 @@ def test_a_run_writes_nothing_but_its_records_and_manifest(tiny_checkpoint, tmp_
 
 def test_ctrl_c_says_how_to_resume(tiny_checkpoint, tmp_path):
     out = tmp_path / "run"
-    proc = subprocess.Popen([*BENCH, *_run(tiny_checkpoint, out, "--platform", "resident", "--suite", "chat",
-                                           limit=30, tokens=256)],  # 60 prompts: seconds of work after the first
-                            cwd=REPO, env=os.environ | _env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True,  # a background job inherits SIGINT ignored: give the child the default back
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    proc = subprocess.Popen(
+        [
+            *BENCH,
+            *_run(tiny_checkpoint, out, "--platform", "resident", "--suite", "chat", limit=30, tokens=256),
+        ],  # 60 prompts: seconds of work after the first
+        cwd=REPO,
+        env=os.environ | _env(tmp_path),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,  # a background job inherits SIGINT ignored: give the child the default back
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     deadline = time.time() + 120
     while time.time() < deadline and len(read_records(out / "records.jsonl")) < 1:
         time.sleep(0.05)
@@ -244,15 +269,27 @@ def test_ctrl_c_says_how_to_resume(tiny_checkpoint, tmp_path):
 def test_bad_draft_experts_and_checkpoints_name_the_file(tiny_checkpoint, tmp_path, monkeypatch):
     garbage = tmp_path / "garbage.safetensors"
     garbage.write_bytes(os.urandom(4096))
-    p = run_bench(*_run(tiny_checkpoint, tmp_path / "a", "--method", "draftexpert", "--draft-experts", str(garbage),
-                        "--platform", "resident"), env=_env(tmp_path))
+    p = run_bench(
+        *_run(
+            tiny_checkpoint,
+            tmp_path / "a",
+            "--method",
+            "draftexpert",
+            "--draft-experts",
+            str(garbage),
+            "--platform",
+            "resident",
+        ),
+        env=_env(tmp_path),
+    )
     _one_line_error(p, str(garbage), "not a readable safetensors file")
 
     monkeypatch.setenv("DRAFTEXPERT_CACHE", str(tmp_path / "cache"))
     weights = tiny_checkpoint / "model.safetensors"
     with pytest.raises(ValueError, match="not a draft-expert checkpoint.*model weights"):
-        make_decoder(Cell(method="draftexpert", platform="resident", spec=SpecOptions(draft_experts=weights)),
-                     tiny_checkpoint)
+        make_decoder(
+            Cell(method="draftexpert", platform="resident", spec=SpecOptions(draft_experts=weights)), tiny_checkpoint
+        )
     only_config = tmp_path / "cfg"
     only_config.mkdir()
     shutil.copy(tiny_checkpoint / "config.json", only_config)
@@ -268,16 +305,19 @@ def test_bad_draft_experts_and_checkpoints_name_the_file(tiny_checkpoint, tmp_pa
     assert not list((tmp_path / "cache").rglob("*.part"))
 
 
-@pytest.mark.parametrize("args, words", [
-    (["--method", "ar", "--r", "2"], "--r does not apply to --method ar"),
-    (["--method", "ar", "--draft-experts", "x.safetensors"], "--draft-experts does not apply"),
-    (["--method", "top-r", "--draft-experts", "x.safetensors"], "--method top-r"),
-    (["--method", "draftexpert", "--r", "2"], "--r does not apply to --method draftexpert"),
-    (["--method", "reference", "--temperature", "0.7"], "--temperature does not apply to --method reference"),
-    (["--engine", "llama.cpp", "--head-type", "q4_0"], "--head-type does not apply to --engine llama.cpp"),
-    (["--method", "reference", "--head-type", "q4_0"], "--head-type does not apply to --method reference"),
-    (["--head-type", "q8_0"], "--head-type: 'q8_0' is not one of checkpoint, q4_0"),
-])
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--method", "ar", "--r", "2"], "--r does not apply to --method ar"),
+        (["--method", "ar", "--draft-experts", "x.safetensors"], "--draft-experts does not apply"),
+        (["--method", "top-r", "--draft-experts", "x.safetensors"], "--method top-r"),
+        (["--method", "draftexpert", "--r", "2"], "--r does not apply to --method draftexpert"),
+        (["--method", "reference", "--temperature", "0.7"], "--temperature does not apply to --method reference"),
+        (["--engine", "llama.cpp", "--head-type", "q4_0"], "--head-type does not apply to --engine llama.cpp"),
+        (["--method", "reference", "--head-type", "q4_0"], "--head-type does not apply to --method reference"),
+        (["--head-type", "q8_0"], "--head-type: 'q8_0' is not one of checkpoint, q4_0"),
+    ],
+)
 def test_flags_that_do_not_apply_are_refused(tiny_checkpoint, tmp_path, args, words):
     res = CliRunner().invoke(app, _run(tiny_checkpoint, tmp_path / "x", *args))  # refused before any model loads
     assert res.exit_code == 2 and words in res.output, res.output
@@ -288,8 +328,11 @@ def test_llama_cpp_refuses_a_sequence_past_its_context(tiny_checkpoint, tmp_path
     pytest.importorskip("llama_cpp")
     monkeypatch.setenv("DRAFTEXPERT_CACHE", str(tmp_path / "cache"))
     for method in ("ar", "top-r"):
-        dec, _, _ = make_decoder(Cell(method=method, platform="mn", expert_type="f32", engine="llama.cpp"),
-                                 tiny_checkpoint, lambda qt: artifacts.expert_file_for("ds-tiny", tiny_checkpoint, qt))
+        dec, _, _ = make_decoder(
+            Cell(method=method, platform="mn", expert_type="f32", engine="llama.cpp"),
+            tiny_checkpoint,
+            lambda qt: artifacts.expert_file_for("ds-tiny", tiny_checkpoint, qt),
+        )
         try:
             assert dec.context_length == 2048
             with pytest.raises(ContextOverflow):
@@ -303,19 +346,21 @@ def test_gpu_placements_without_a_gpu_are_refused_unless_the_cpu_is_asked_for(ti
         pytest.skip("this machine has a GPU: cg runs on it")
     res = CliRunner().invoke(app, _run(tiny_checkpoint, tmp_path / "x", "--platform", "cg"))
     assert res.exit_code == 2 and "`--device cpu` runs cg with the CPU as the accelerator" in res.output
-    res = CliRunner().invoke(app, _run(tiny_checkpoint, tmp_path / "y", "--platform", "cg", "--device", "cpu",
-                                       "--json"))
+    res = CliRunner().invoke(
+        app, _run(tiny_checkpoint, tmp_path / "y", "--platform", "cg", "--device", "cpu", "--json")
+    )
     assert res.exit_code == 0, res.output
-    assert json.loads(res.stdout[res.stdout.index("{"):])["records"][0]["method_args"]["device"] == "cpu"
+    assert json.loads(res.stdout[res.stdout.index("{") :])["records"][0]["method_args"]["device"] == "cpu"
     res = CliRunner().invoke(app, _run(tiny_checkpoint, tmp_path / "z", "--platform", "mn", "--device", "cuda"))
     assert res.exit_code == 2 and "--device does not apply to --platform mn" in res.output
     # resident: the CPU by default; --device cuda (cg's upper bound on the GPU) is refused here by what it needs
     res = CliRunner().invoke(app, _run(tiny_checkpoint, tmp_path / "r", "--platform", "resident", "--device", "cuda"))
     assert res.exit_code == 2 and "--platform resident --device cuda needs a CUDA GPU" in res.output
-    res = CliRunner().invoke(app, _run(tiny_checkpoint, tmp_path / "s", "--platform", "resident", "--device", "cpu",
-                                       "--json"))
+    res = CliRunner().invoke(
+        app, _run(tiny_checkpoint, tmp_path / "s", "--platform", "resident", "--device", "cpu", "--json")
+    )
     assert res.exit_code == 0, res.output
-    assert json.loads(res.stdout[res.stdout.index("{"):])["records"][0]["method_args"]["device"] == "cpu"
+    assert json.loads(res.stdout[res.stdout.index("{") :])["records"][0]["method_args"]["device"] == "cpu"
 
 
 def test_distill_eval_refuses_a_missing_ablation_checkpoint_and_a_card_for_one(tiny_checkpoint, tmp_path):

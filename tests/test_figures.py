@@ -1,4 +1,5 @@
 """Figures and tables from small fixtures: Fig. 2, Fig. 3 with the paper's points, the paper's values in Tables 2–5."""
+
 import pandas as pd
 import pytest
 
@@ -10,8 +11,15 @@ from paper_figs.spec_table import table, table4
 
 def _comparison():
     row = lambda a, d: {"acceptance": a, "draft_forward_s": d}  # noqa: E731
-    return {"methods": {"ar": {"ar_forward_s": 0.010}, "top-1": row(0.4, 0.002), "top-2": row(0.5, 0.004),
-                        "top-3": row(0.6, 0.005), "draftexpert": row(0.8, 0.0025)}}
+    return {
+        "methods": {
+            "ar": {"ar_forward_s": 0.010},
+            "top-1": row(0.4, 0.002),
+            "top-2": row(0.5, 0.004),
+            "top-3": row(0.6, 0.005),
+            "draftexpert": row(0.8, 0.0025),
+        }
+    }
 
 
 def test_points_table_and_figure(tmp_path):
@@ -50,16 +58,28 @@ def test_tables_print_the_papers_values_beside_ours():
     assert "AR 10.18 TPS" in t2 and "resident AR 14.36" in t2
     t4 = table4({"model": "ml-tiny", "platform": "mn", "methods": {"conf-exp-prefetch": {"verify_cost_x_ar": 1.1}}})
     assert "| 1.40 | 0.86 / 0.14 |" in t4
-    r5 = {"kl": 0.1, "token_agreement": 0.9, "router_agreement": 0.9, "acceptance_k4": 0.8, "prefetch_hit_rate": 0.9,
-          "steps": 1, "tokens": 1, "train_seconds": 1}
+    r5 = {
+        "kl": 0.1,
+        "token_agreement": 0.9,
+        "router_agreement": 0.9,
+        "acceptance_k4": 0.8,
+        "prefetch_hit_rate": 0.9,
+        "steps": 1,
+        "tokens": 1,
+        "train_seconds": 1,
+    }
     assert "0.07 / 0.870 / 0.86 / 0.88" in table5({"model": "ds-tiny", "presets": {"full": r5}})
     # with its per-margin readings the report adds the margin table; without them it is Table 5 alone
     margins = {"edges": [0.0, 0.05, 1.0], "share": [0.6, 0.4], "token_agreement": [0.7, float("nan")]}
-    r5m = {**r5, "by_target_margin": margins, "target_top1_prob": 0.3,
-           "continuations": {"by_target_margin": margins, "target_top1_prob": 0.2, "tokens": 64,
-                             "token_agreement": 0.8}}
-    assert (report({"model": "ds-tiny", "presets": {"full": r5}})
-            == table5({"model": "ds-tiny", "presets": {"full": r5}}))
+    r5m = {
+        **r5,
+        "by_target_margin": margins,
+        "target_top1_prob": 0.3,
+        "continuations": {"by_target_margin": margins, "target_top1_prob": 0.2, "tokens": 64, "token_agreement": 0.8},
+    }
+    assert report({"model": "ds-tiny", "presets": {"full": r5}}) == table5(
+        {"model": "ds-tiny", "presets": {"full": r5}}
+    )
     full = report({"model": "ds-tiny", "presets": {"full": r5m}})
     assert "| [0.00, 0.05) | 0.600 / 0.600 | 0.700 / 0.700 |" in full
     assert "| [0.05, 1.00) | 0.400 / 0.400 | – / – |" in full
@@ -67,10 +87,19 @@ def test_tables_print_the_papers_values_beside_ours():
 
 def _records():
     rec = lambda platform, qtype, loading, compute: {  # noqa: E731 - one AR record of a cell
-        "method": "ar", "model": "ds-tiny", "platform": platform, "config_hash": platform + qtype,
-        "method_args": {"expert_type": qtype, "device": "cpu"}, "prompt_id": "p", "new_tokens": 11,
-        "decode_s": loading + compute + 0.01, "decode_wall_s": loading + compute, "decode_stall_s": loading,
-        "decode_loads": 300, "decode_bytes": 10 * 2**20}
+        "method": "ar",
+        "model": "ds-tiny",
+        "platform": platform,
+        "config_hash": platform + qtype,
+        "method_args": {"expert_type": qtype, "device": "cpu"},
+        "prompt_id": "p",
+        "new_tokens": 11,
+        "decode_s": loading + compute + 0.01,
+        "decode_wall_s": loading + compute,
+        "decode_stall_s": loading,
+        "decode_loads": 300,
+        "decode_bytes": 10 * 2**20,
+    }
     return pd.DataFrame([rec("mn", "q4_0", 0.1, 0.08), rec("cg", "—", 0.02, 0.09)])
 
 
@@ -88,8 +117,13 @@ def test_fig1b_from_fixture_records_prints_the_papers_statement(tmp_path):
 
 
 def test_fig45_draws_the_dense_half_and_the_papers_table4_points(tmp_path):
-    c = {"length": [1, 2, 3], "unique": [30.0, 50.0, 65.0], "linear": [30, 60, 90], "cost": [1.0, 1.6, 2.1],
-         "dense_cost": [1.0, 1.02, 1.05]}
+    c = {
+        "length": [1, 2, 3],
+        "unique": [30.0, 50.0, 65.0],
+        "linear": [30, 60, 90],
+        "cost": [1.0, 1.6, 2.1],
+        "dense_cost": [1.0, 1.02, 1.05],
+    }
     t = fig45.table(c)
     assert "dense verify cost ×step |" in t and "| 3 | 65.0 | 90 | 2.10 | 1.05 |" in t
     assert fig45.paper_costs("ds-tiny") == (2.35, 3.10) and fig45.paper_costs("other") is None

@@ -1,4 +1,5 @@
 """`bench fuzz`: cases replay by themselves, and the campaign's check catches a broken decoder."""
+
 import draftexpert.speculation.round as rnd
 from bench.cells.artifacts import expert_file_for
 from bench.steps import fuzz as fz
@@ -18,8 +19,19 @@ def test_a_case_is_drawn_from_its_seed_and_index_alone():
 def test_the_check_catches_an_accept_rule_that_keeps_every_draft(monkeypatch, tmp_path):
     monkeypatch.setenv("DRAFTEXPERT_CACHE", str(tmp_path))
     camp = fz.Campaign(lambda m, f, qt: expert_file_for(m, f, qt))
-    case = fz.Case(index=0, model="ds-tiny", engine="torch", platform="resident", method="top-r", r=1, k_max=4,
-                   truncate=False, prefetch=False, prompt_id="gsm8k-000", max_new_tokens=32)
+    case = fz.Case(
+        index=0,
+        model="ds-tiny",
+        engine="torch",
+        platform="resident",
+        method="top-r",
+        r=1,
+        k_max=4,
+        truncate=False,
+        prefetch=False,
+        prompt_id="gsm8k-000",
+        max_new_tokens=32,
+    )
     assert camp.check(case)["ok"]
     monkeypatch.setattr(rnd, "greedy_accept", lambda draft, argmax: (draft + [argmax[len(draft)]], len(draft)))
     res = camp.check(case)

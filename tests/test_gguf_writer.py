@@ -1,4 +1,5 @@
 """The streaming expert writer: llama.cpp's layout, tensor by tensor, checksummed, all or nothing."""
+
 import json
 import os
 
@@ -72,8 +73,10 @@ def test_one_expert_is_two_contiguous_reads_and_separate_gate_up_is_refused(tmp_
 
 
 def test_bench_speed_convert_writes_and_removes_its_file(tmp_path):
-    r = CliRunner().invoke(app, ["speed", "convert", "--model", "ds-tiny", "--layers", "2", "--type", "q4_0",
-                                 "--dir", str(tmp_path), "--json"])
-    out = json.loads(r.output[r.output.index("{"):])
+    r = CliRunner().invoke(
+        app,
+        ["speed", "convert", "--model", "ds-tiny", "--layers", "2", "--type", "q4_0", "--dir", str(tmp_path), "--json"],
+    )
+    out = json.loads(r.output[r.output.index("{") :])
     assert r.exit_code == 0 and out["layers"] == 2 and out["file_bytes"] > 0 and out["peak_rss_bytes"] > 0
     assert list(tmp_path.iterdir()) == []

@@ -2,6 +2,7 @@
 from a checkpoint load in llama.cpp and compute the torch runtime's logits and expert sets;
 speculative outputs (shared+top-r, DraftExpert) equal llama.cpp's own AR greedy output at f32 and
 Q4_0; the DraftExpert drafter's GGUF computes the torch drafter; staging really goes to storage."""
+
 import dataclasses
 import json
 import shutil
@@ -30,11 +31,30 @@ from draftexpert.speculation.round import SpeculativeDecoder  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 # Dimensions in whole Q4_0 blocks (32); weights large enough that a drafter disagrees with the target.
-COMMON = dict(vocab_size=4096, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
-              first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=16,
-              n_shared_experts=2, num_experts_per_tok=4, q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16,
-              qk_rope_head_dim=8, v_head_dim=16, n_group=1, topk_group=1, initializer_range=0.3,
-              bos_token_id=0, eos_token_id=1, pad_token_id=2)
+COMMON = dict(
+    vocab_size=4096,
+    hidden_size=64,
+    intermediate_size=128,
+    moe_intermediate_size=32,
+    num_hidden_layers=3,
+    first_k_dense_replace=1,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    n_routed_experts=16,
+    n_shared_experts=2,
+    num_experts_per_tok=4,
+    q_lora_rank=None,
+    kv_lora_rank=32,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    n_group=1,
+    topk_group=1,
+    initializer_range=0.3,
+    bos_token_id=0,
+    eos_token_id=1,
+    pad_token_id=2,
+)
 MOE = [1, 2]
 PROMPTS = [[0, 17, 250, 3000, 41, 9], [0, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [0, 999, 12, 12, 12, 400, 3]]
 
@@ -54,8 +74,9 @@ def checkpoint(version: str, folder: Path, **over) -> Path:
     if version == "v2":
         m = DeepseekV2ForCausalLM(DeepseekV2Config(**{**COMMON, **over}, topk_method="greedy"))
     else:
-        m = DeepseekV3ForCausalLM(DeepseekV3Config(**{**COMMON, **over}, norm_topk_prob=True,
-                                                   routed_scaling_factor=2.5))
+        m = DeepseekV3ForCausalLM(
+            DeepseekV3Config(**{**COMMON, **over}, norm_topk_prob=True, routed_scaling_factor=2.5)
+        )
         for layer in m.model.layers[1:]:
             layer.mlp.gate.e_score_correction_bias.normal_(0, 0.05)
     m.save_pretrained(folder)
@@ -90,8 +111,9 @@ def random_draft(folder: Path) -> DraftExperts:
 def test_build_is_batch_invariant():
     """Exactness needs a multi-token eval to compute what one-token evals compute: llamafile's
     sgemm (on in llama.cpp's default build) does not (the engine refuses to speculate on it)."""
-    assert build_info().get("LLAMAFILE", "0") == "0", \
+    assert build_info().get("LLAMAFILE", "0") == "0", (
         "build llama-cpp-python with CMAKE_ARGS='-DGGML_LLAMAFILE=OFF' (README)"
+    )
 
 
 def test_llama_cpp_computes_the_torch_runtime(ckpt):
@@ -183,8 +205,13 @@ def test_speculative_equals_llama_cpp_ar(ckpt, qtype):
     want = [ar.generate(ids, 24, None).tokens for ids in PROMPTS]
     alphas = []
     for method, r, conf in CONFIGS:
-        drafter = LlamaModel(de_head if method == "draftexpert" else head, 256, 1,
-                             used_experts=r if method == "top-r" else None, tap_router_logits=True)
+        drafter = LlamaModel(
+            de_head if method == "draftexpert" else head,
+            256,
+            1,
+            used_experts=r if method == "top-r" else None,
+            tap_router_logits=True,
+        )
         spec = SpeculativeDecoder(LlamaEngine(target, pages, drafter, router, name=method), conf)
         for ids, expected in zip(PROMPTS, want):
             out = spec.generate(ids, 24, None)
@@ -250,14 +277,19 @@ def test_staging_modes_are_exact_and_measured(disk_dir):
         engine.close()
     # the hook ran for every MoE layer of every forward, before llama.cpp had touched that layer's experts
     assert len(cached_before) == 2 * 12 * 5 and not any(cached_before)
-    assert ([o.tokens for o in outs["demand"]] == [o.tokens for o in outs["pagefault"]]
-            == [o.tokens for o in outs["resident"]])
+    assert (
+        [o.tokens for o in outs["demand"]]
+        == [o.tokens for o in outs["pagefault"]]
+        == [o.tokens for o in outs["resident"]]
+    )
     for o in outs["demand"]:
         ar = o.stats["ledger"]["by_phase"]["ar"]
         assert ar["requested"] == ar["loads"] == ar["forwards"] * 5 * 6  # cold: 5 MoE layers × top-6, each step
         assert 0 < ar["stall_s"] < ar["wall_s"]
-    assert all(o.stats["ledger"]["by_phase"]["ar"]["stall_s"] != o.stats["ledger"]["by_phase"]["ar"]["stall_s"]
-               for o in outs["pagefault"])  # NaN
+    assert all(
+        o.stats["ledger"]["by_phase"]["ar"]["stall_s"] != o.stats["ledger"]["by_phase"]["ar"]["stall_s"]
+        for o in outs["pagefault"]
+    )  # NaN
     assert all(o.stats["ledger"]["by_phase"]["ar"]["loads"] == 0 for o in outs["resident"])
     with pytest.raises(ValueError, match="--staging"):
         LlamaEngine(None, None, staging="mmap")
@@ -267,8 +299,23 @@ def test_cli_runs_the_engine_and_names_bad_flags(tmp_path):
     """`bench run --engine llama.cpp` end to end (records say which engine and staging), equal to
     its own AR; a platform the engine does not run is named."""
     env = {"DRAFTEXPERT_CACHE": str(REPO / "work" / "pytest-llamacpp-cache")}
-    common = ["--engine", "llama.cpp", "--model", "ds-tiny", "--platform", "mn", "--suite", "chat", "--limit", "2",
-              "--max-new-tokens", "12", "--json", "--threads", "1"]
+    common = [
+        "--engine",
+        "llama.cpp",
+        "--model",
+        "ds-tiny",
+        "--platform",
+        "mn",
+        "--suite",
+        "chat",
+        "--limit",
+        "2",
+        "--max-new-tokens",
+        "12",
+        "--json",
+        "--threads",
+        "1",
+    ]
     runs = {}
     for method in ("ar", "draftexpert"):
         p = run_bench("run", "--method", method, *common, "--out", str(tmp_path / method), env=env)

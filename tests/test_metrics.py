@@ -1,5 +1,6 @@
 """draftexpert.metrics: every derived figure from hand-made counters, sums before ratios across
 records, and the regime table / figure built from a small fixture of rows."""
+
 import math
 
 import pytest
@@ -11,17 +12,53 @@ LEDGER = {  # a Ledger.summary() of one prompt: prefill, 3 AR-phase... here draf
     "total": {},
     "prefetch": {"issued": 10, "bytes": 1000, "hits": 8, "waste": 2, "misses": 4},
     "by_phase": {
-        "prefill": {"requested": 30, "loads": 30, "hits": 0, "bytes": 3000, "stall_s": 0.5, "wall_s": 1.0,
-                    "forwards": 1, "tokens": 9},
-        "draft": {"requested": 20, "loads": 5, "hits": 15, "bytes": 500, "stall_s": 0.1, "wall_s": 0.4,
-                  "forwards": 4, "tokens": 4},
-        "verify": {"requested": 60, "loads": 4, "hits": 56, "bytes": 400, "stall_s": 0.1, "wall_s": 0.6,
-                   "forwards": 2, "tokens": 7},
+        "prefill": {
+            "requested": 30,
+            "loads": 30,
+            "hits": 0,
+            "bytes": 3000,
+            "stall_s": 0.5,
+            "wall_s": 1.0,
+            "forwards": 1,
+            "tokens": 9,
+        },
+        "draft": {
+            "requested": 20,
+            "loads": 5,
+            "hits": 15,
+            "bytes": 500,
+            "stall_s": 0.1,
+            "wall_s": 0.4,
+            "forwards": 4,
+            "tokens": 4,
+        },
+        "verify": {
+            "requested": 60,
+            "loads": 4,
+            "hits": 56,
+            "bytes": 400,
+            "stall_s": 0.1,
+            "wall_s": 0.6,
+            "forwards": 2,
+            "tokens": 7,
+        },
     },
 }
-RECORD = {"new_tokens": 9, "decode_s": 2.0, "rounds": 2, "drafted": 6, "accepted": 4, "truncated": 1,
-          "draft_unique": 14, "verify_unique": 50, "predicted_unique": 48, "drafted_at": [2, 2, 1, 1],
-          "accepted_at": [2, 1, 1, 0], "draft_unique_at": [10, 14, 8, 9], "ledger": LEDGER}
+RECORD = {
+    "new_tokens": 9,
+    "decode_s": 2.0,
+    "rounds": 2,
+    "drafted": 6,
+    "accepted": 4,
+    "truncated": 1,
+    "draft_unique": 14,
+    "verify_unique": 50,
+    "predicted_unique": 48,
+    "drafted_at": [2, 2, 1, 1],
+    "accepted_at": [2, 1, 1, 0],
+    "draft_unique_at": [10, 14, 8, 9],
+    "ledger": LEDGER,
+}
 
 
 def test_derived_figures_from_one_record():
@@ -42,8 +79,15 @@ def test_derived_figures_from_one_record():
 
 def test_tables_sum_counters_before_dividing():
     """Two prompts: α over both is Σ accepted / Σ drafted, not the mean of the two ratios."""
-    other = {**RECORD, "drafted": 2, "accepted": 0, "drafted_at": [1, 1], "accepted_at": [0, 0],
-             "draft_unique_at": [5, 9], "decode_s": 6.0}
+    other = {
+        **RECORD,
+        "drafted": 2,
+        "accepted": 0,
+        "drafted_at": [1, 1],
+        "accepted_at": [0, 0],
+        "draft_unique_at": [5, 9],
+        "decode_s": 6.0,
+    }
     a = metrics.aggregate([RECORD, other])
     assert a["prompts"] == 2 and a["acceptance"] == 4 / 8  # the mean of ratios would be (4/6 + 0) / 2
     assert a["decode_tps"] == 16 / 8.0
@@ -67,8 +111,10 @@ def test_physical_limit_is_bandwidth_over_bytes_per_token():
 
 
 def test_verify_sweep_curves():
-    rows = [{"prompt": 0, "start": 0, "length": L, "unique": u, "wall_s": w}
-            for L, u, w in ((1, 30, 1.0), (2, 50, 1.5), (4, 80, 3.0))]
+    rows = [
+        {"prompt": 0, "start": 0, "length": L, "unique": u, "wall_s": w}
+        for L, u, w in ((1, 30, 1.0), (2, 50, 1.5), (4, 80, 3.0))
+    ]
     c = metrics.verify_sweep_curves(rows)
     assert c == {"length": [1, 2, 4], "unique": [30, 50, 80], "linear": [30, 60, 120], "cost": [1.0, 1.5, 3.0]}
 
@@ -76,13 +122,23 @@ def test_verify_sweep_curves():
 def _regime_fixture():
     def row(tps, share, mib, label):
         dec = 10
-        return {"decode_tps": tps, "loading_share": share, "moved_bytes": mib * 2**20 * dec, "decode_tokens": dec,
-                "acceptance": 0.8 if label == "draftexpert" else None, "speedup": None}
+        return {
+            "decode_tps": tps,
+            "loading_share": share,
+            "moved_bytes": mib * 2**20 * dec,
+            "decode_tokens": dec,
+            "acceptance": 0.8 if label == "draftexpert" else None,
+            "speedup": None,
+        }
 
     caps = []
     for bw, ar, de, share in ((16e6, 8.0, 10.0, 0.95), (64e6, 20.0, 18.0, 0.7), (None, 60.0, 40.0, 0.3)):
-        m = {"ar": row(ar, share, 1.5, "ar"), "top-1": row(ar * 0.9, share, 1.4, "top-1"),
-             "top-2": row(ar * 1.05, share, 1.4, "top-2"), "draftexpert": row(de, share, 1.4, "draftexpert")}
+        m = {
+            "ar": row(ar, share, 1.5, "ar"),
+            "top-1": row(ar * 0.9, share, 1.4, "top-1"),
+            "top-2": row(ar * 1.05, share, 1.4, "top-2"),
+            "draftexpert": row(de, share, 1.4, "draftexpert"),
+        }
         for r in m.values():
             r["speedup"] = r["decode_tps"] / ar
         caps.append({"read_bw": bw, "methods": m, "tokens_equal_ar": {"top-1": True, "draftexpert": True}})

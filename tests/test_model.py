@@ -1,6 +1,7 @@
 """The lean MoE forward equals transformers' DeepseekV2/V3 on the same weights: logits within
 1e-4 (fp32) for prefill, token-by-token decoding and multi-token blocks after a crop, and the
 same greedy tokens as `generate`."""
+
 import pytest
 import torch
 from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
@@ -9,21 +10,47 @@ from draftexpert.runtime.experts import HostStore
 from draftexpert.runtime.model import KVCache, ModelConfig, MoEModel, from_hf_model, route, router_scores
 from draftexpert.speculation.drafters import DraftExperts, draftexpert, top_r
 
-COMMON = dict(vocab_size=300, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
-              first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=16,
-              n_shared_experts=2, num_experts_per_tok=4, q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16,
-              qk_rope_head_dim=8, v_head_dim=16, n_group=1, topk_group=1)
-YARN = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512, "beta_fast": 32, "beta_slow": 1,
-        "mscale": 0.707, "mscale_all_dim": 0.707}
+COMMON = dict(
+    vocab_size=300,
+    hidden_size=64,
+    intermediate_size=128,
+    moe_intermediate_size=32,
+    num_hidden_layers=3,
+    first_k_dense_replace=1,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    n_routed_experts=16,
+    n_shared_experts=2,
+    num_experts_per_tok=4,
+    q_lora_rank=None,
+    kv_lora_rank=32,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    n_group=1,
+    topk_group=1,
+)
+YARN = {
+    "type": "yarn",
+    "factor": 4.0,
+    "original_max_position_embeddings": 512,
+    "beta_fast": 32,
+    "beta_slow": 1,
+    "mscale": 0.707,
+    "mscale_all_dim": 0.707,
+}
 CASES = {
     "v2": lambda: DeepseekV2ForCausalLM(DeepseekV2Config(**COMMON, topk_method="greedy")),
-    "v2-yarn-qlora": lambda: DeepseekV2ForCausalLM(DeepseekV2Config(**{**COMMON, "q_lora_rank": 24},
-                                                                    max_position_embeddings=2048, rope_scaling=YARN)),
-    "v3-bias": lambda: DeepseekV3ForCausalLM(DeepseekV3Config(**COMMON, norm_topk_prob=True,
-                                                              routed_scaling_factor=2.5)),
+    "v2-yarn-qlora": lambda: DeepseekV2ForCausalLM(
+        DeepseekV2Config(**{**COMMON, "q_lora_rank": 24}, max_position_embeddings=2048, rope_scaling=YARN)
+    ),
+    "v3-bias": lambda: DeepseekV3ForCausalLM(
+        DeepseekV3Config(**COMMON, norm_topk_prob=True, routed_scaling_factor=2.5)
+    ),
     # group-limited: 4 groups of 4 experts, each token's top-4 from its best 2 groups
-    "v3-groups": lambda: DeepseekV3ForCausalLM(DeepseekV3Config(**{**COMMON, "n_group": 4, "topk_group": 2},
-                                                                norm_topk_prob=True, routed_scaling_factor=2.5)),
+    "v3-groups": lambda: DeepseekV3ForCausalLM(
+        DeepseekV3Config(**{**COMMON, "n_group": 4, "topk_group": 2}, norm_topk_prob=True, routed_scaling_factor=2.5)
+    ),
 }
 
 
@@ -45,7 +72,7 @@ def test_logits_match_transformers(pair):
     cache = KVCache(lean.cfg, 64)
     assert (lean.forward(ids[0], cache) - ref).abs().max() < 1e-4  # prefill
     cache = KVCache(lean.cfg, 64)
-    steps = [lean.forward(ids[0, :5], cache)] + [lean.forward(ids[0, i:i + 1], cache) for i in range(5, 12)]
+    steps = [lean.forward(ids[0, :5], cache)] + [lean.forward(ids[0, i : i + 1], cache) for i in range(5, 12)]
     assert (torch.cat(steps) - ref).abs().max() < 1e-4  # decode one token at a time
     cache.crop(8)  # reject the last 4, then verify them again as one block
     assert cache.length == 8
@@ -119,8 +146,14 @@ def _host_model(hf):
     """The lean model over a HostStore: the compiled step fetches through the store (in its op)."""
     sd = {k: v.detach() for k, v in hf.state_dict().items()}
     moe = [i for i in range(hf.config.num_hidden_layers) if f"model.layers.{i}.mlp.experts.gate_up_proj" in sd]
-    return MoEModel(hf.config, sd, HostStore({i: sd[f"model.layers.{i}.mlp.experts.gate_up_proj"] for i in moe},
-                                             {i: sd[f"model.layers.{i}.mlp.experts.down_proj"] for i in moe}))
+    return MoEModel(
+        hf.config,
+        sd,
+        HostStore(
+            {i: sd[f"model.layers.{i}.mlp.experts.gate_up_proj"] for i in moe},
+            {i: sd[f"model.layers.{i}.mlp.experts.down_proj"] for i in moe},
+        ),
+    )
 
 
 @pytest.mark.parametrize("store", ["resident", "host"])

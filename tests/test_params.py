@@ -78,17 +78,20 @@ def test_the_memory_plan_and_the_refusal_before_loading():
 
 
 def test_bench_plan_reads_the_config_alone_and_exits_1_when_it_does_not_fit():
-    r = CliRunner().invoke(app, ["plan", "--model", "ds", "--platform", "mn", "--method", "ar", "--host-mem", "24GiB",
-                                 "--json"])
+    r = CliRunner().invoke(
+        app, ["plan", "--model", "ds", "--platform", "mn", "--method", "ar", "--host-mem", "24GiB", "--json"]
+    )
     p = json.loads(r.output)
     assert r.exit_code == 0 and p["fits"] and p["host_available"] == 24 << 30 and p["storage"] > 0
     # the paper's CG host (64 GB, a 24 GB GPU) holds the exact-size bf16 pool; a 24 GiB host does not
-    r = CliRunner().invoke(app, ["plan", "--model", "ds", "--platform", "cg", "--host-mem", "64GiB", "--gpu-mem",
-                                 "24GiB", "--json"])
-    p = json.loads(r.output[r.output.index("{"):])
+    r = CliRunner().invoke(
+        app, ["plan", "--model", "ds", "--platform", "cg", "--host-mem", "64GiB", "--gpu-mem", "24GiB", "--json"]
+    )
+    p = json.loads(r.output[r.output.index("{") :])
     assert r.exit_code == 0 and p["fits"] and p["host_pinned"] <= 30 << 30
-    r = CliRunner().invoke(app, ["plan", "--model", "ds", "--platform", "cg", "--host-mem", "24GiB", "--gpu-mem",
-                                 "24GiB"])
+    r = CliRunner().invoke(
+        app, ["plan", "--model", "ds", "--platform", "cg", "--host-mem", "24GiB", "--gpu-mem", "24GiB"]
+    )
     assert r.exit_code == 1 and "does not fit" in r.output and "24.0 GiB is available" in r.output
     r = CliRunner().invoke(app, ["plan", "--model", "ds", "--host-mem", "lots"])
     assert r.exit_code == 2 and "--host-mem" in r.output

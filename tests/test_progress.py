@@ -1,4 +1,5 @@
 """Progress on stderr: a bar with the running TPS on a terminal, one plain line per prompt otherwise."""
+
 from __future__ import annotations
 
 import io

@@ -73,7 +73,8 @@ def test_archives_come_through_pips_configured_index(tmp_path, monkeypatch):
     (tmp_path / "simple" / "demo").mkdir(parents=True)
     (tmp_path / "simple" / "demo" / "index.html").write_text(
         '<html><body><a href="../../files/demo-1.0-py3-none-any.whl#sha256=00">demo-1.0-py3-none-any.whl</a>'
-        '</body></html>')
+        "</body></html>"
+    )
     monkeypatch.setenv("PIP_INDEX_URL", (tmp_path / "simple").as_uri())
     monkeypatch.setenv("PIP_EXTRA_INDEX_URL", "")
     monkeypatch.setenv("PIP_CONFIG_FILE", "/dev/null")

@@ -2,6 +2,7 @@
 from the disk, so a capped O_DIRECT read of N bytes takes at least N / cap (less the one throttle
 slice of run-ahead the kernel allows); bad rates, a file on no block device and a machine without
 the controller or the permission are refused with a clear error."""
+
 import contextlib
 import mmap
 import os
@@ -81,13 +82,16 @@ def test_without_permission_the_cap_is_refused_not_ignored():
     if os.geteuid() != 0 or shutil.which("setpriv") is None:
         pytest.skip("needs root and setpriv to try as an unprivileged user")
     as_nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c"]
-    probe = subprocess.run(as_nobody + ["import bench.runs.readcap"], cwd=REPO, capture_output=True, text=True,
-                           timeout=60)
+    probe = subprocess.run(
+        as_nobody + ["import bench.runs.readcap"], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
     if probe.returncode != 0:  # e.g. a checkout in a 0700 temporary folder: the user cannot even start
         pytest.skip(f"an unprivileged user cannot run this checkout here: {probe.stderr.strip()[-200:]}")
-    code = ("from pathlib import Path\nfrom bench.runs.readcap import ReadCap, ReadCapError\n"
-            "try:\n    ReadCap(10**6, Path('bench')).__enter__()\n"
-            "except ReadCapError as e:\n    print('refused:', e)\n")
+    code = (
+        "from pathlib import Path\nfrom bench.runs.readcap import ReadCap, ReadCapError\n"
+        "try:\n    ReadCap(10**6, Path('bench')).__enter__()\n"
+        "except ReadCapError as e:\n    print('refused:', e)\n"
+    )
     p = subprocess.run(as_nobody + [code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr
     assert p.stdout.startswith("refused:") and ("root" in p.stdout or "blkio" in p.stdout), p.stdout

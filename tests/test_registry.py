@@ -31,8 +31,11 @@ def test_missing_real_model_names_every_place_searched(empty_env, tmp_path):
     with pytest.raises(registry.ModelNotFound) as e:
         registry.resolve("ds")
     msg = str(e.value)
-    for place in [tmp_path / "models" / "ds", tmp_path / "models" / "DeepSeek-V2-Lite",
-                  tmp_path / "hf" / "hub" / "models--deepseek-ai--DeepSeek-V2-Lite"]:
+    for place in [
+        tmp_path / "models" / "ds",
+        tmp_path / "models" / "DeepSeek-V2-Lite",
+        tmp_path / "hf" / "hub" / "models--deepseek-ai--DeepSeek-V2-Lite",
+    ]:
         assert str(place) in msg
     assert "hf download deepseek-ai/DeepSeek-V2-Lite" in msg
 
@@ -66,10 +69,24 @@ def test_a_checkpoint_must_be_the_model_named(empty_env, tiny_checkpoint, ds_sha
 
 def test_cli_wrong_or_missing_model_path_exits_nonzero_and_writes_nothing(empty_env, tmp_path):
     out = tmp_path / "run"
-    for path, words in [(tmp_path / "nonexistent", "does not exist"),
-                        (registry.EMBEDDED_DIR / "ml-tiny", "not 'ds-tiny'")]:
-        p = run_bench("run", "--model", "ds-tiny", "--model-path", str(path), "--suite", "gsm8k", "--limit", "1",
-                      "--out", str(out), env=empty_env)
+    for path, words in [
+        (tmp_path / "nonexistent", "does not exist"),
+        (registry.EMBEDDED_DIR / "ml-tiny", "not 'ds-tiny'"),
+    ]:
+        p = run_bench(
+            "run",
+            "--model",
+            "ds-tiny",
+            "--model-path",
+            str(path),
+            "--suite",
+            "gsm8k",
+            "--limit",
+            "1",
+            "--out",
+            str(out),
+            env=empty_env,
+        )
         assert p.returncode == 2 and words in p.stderr and "Traceback" not in p.stderr, p.stderr
         assert len(p.stderr.strip().splitlines()) == 1
     assert not out.exists()

@@ -1,4 +1,5 @@
 """The results store survives SIGKILL mid-write and resumes without redoing finished cells."""
+
 import signal
 import subprocess
 import sys

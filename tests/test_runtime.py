@@ -1,5 +1,6 @@
 """Expert-offload runtime: every store and the streaming loader give the transformers model's
 logits (1e-4, fp32) and greedy tokens; the ledger counts loads; bad files give clear errors."""
+
 import os
 import shutil
 from pathlib import Path
@@ -39,10 +40,26 @@ from draftexpert.speculation.drafters import make_draft_path
 from draftexpert.speculation.round import SpecConfig, SpeculativeDecoder
 
 REPO = Path(__file__).resolve().parents[1]
-COMMON = dict(vocab_size=300, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
-              first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=16,
-              n_shared_experts=2, num_experts_per_tok=4, q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16,
-              qk_rope_head_dim=8, v_head_dim=16, n_group=1, topk_group=1)
+COMMON = dict(
+    vocab_size=300,
+    hidden_size=64,
+    intermediate_size=128,
+    moe_intermediate_size=32,
+    num_hidden_layers=3,
+    first_k_dense_replace=1,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    n_routed_experts=16,
+    n_shared_experts=2,
+    num_experts_per_tok=4,
+    q_lora_rank=None,
+    kv_lora_rank=32,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    n_group=1,
+    topk_group=1,
+)
 
 
 @pytest.fixture(scope="module")
@@ -77,8 +94,9 @@ def checkpoint(request, disk):
     return model, folder, convert_experts(folder, disk / f"{request.param}-f32.gguf", "f32")
 
 
-PROMPTS = [torch.randint(0, 300, (n,), generator=torch.Generator().manual_seed(n))
-           for n in (3, 7, 12, 2, 5, 9, 16, 4, 11, 20)]
+PROMPTS = [
+    torch.randint(0, 300, (n,), generator=torch.Generator().manual_seed(n)) for n in (3, 7, 12, 2, 5, 9, 16, 4, 11, 20)
+]
 
 
 @pytest.fixture(scope="module")
@@ -88,8 +106,12 @@ def reference(checkpoint):
     out = []
     with torch.no_grad():
         for ids in PROMPTS:
-            out.append((hf(ids[None]).logits[0],
-                        hf.generate(ids[None], max_new_tokens=64, do_sample=False)[0, len(ids):].tolist()))
+            out.append(
+                (
+                    hf(ids[None]).logits[0],
+                    hf.generate(ids[None], max_new_tokens=64, do_sample=False)[0, len(ids) :].tolist(),
+                )
+            )
     return out
 
 
@@ -316,8 +338,16 @@ def test_bf16_compute_is_the_same_model_on_every_store(tiny_checkpoint):
     ids = [1, 5, 9, 13, 17, 21, 25]
     out = {}
     for platform, dtype in (("cg", "bf16"), ("resident", "bf16"), ("resident", "fp32")):
-        dec, _, cfg = make_decoder(Cell(method="ar", platform=platform, device="cpu" if platform == "cg" else None,
-                                        dtype=dtype, max_new_tokens=24), tiny_checkpoint)
+        dec, _, cfg = make_decoder(
+            Cell(
+                method="ar",
+                platform=platform,
+                device="cpu" if platform == "cg" else None,
+                dtype=dtype,
+                max_new_tokens=24,
+            ),
+            tiny_checkpoint,
+        )
         out[platform, dtype] = dec.generate(ids, 24).tokens
         assert cfg.method_args.get("dtype") == (None if dtype == "fp32" else "bf16")  # fp32 cells keep their keys
         dec.close()
@@ -360,8 +390,11 @@ def test_a_bounded_working_set_stays_exact_and_within_its_bytes(checkpoint, stor
         model.experts.working_set_bytes = budget * one
         dec = SpeculativeDecoder(TorchEngine(model, make_draft_path(model, "top-r", r=1)), conf)
         out = [dec.generate(ids.tolist(), 24) for ids in PROMPTS[:4]]
-        runs[budget] = ([o.tokens for o in out], sum(o.stats["ledger"]["total"]["loads"] for o in out),
-                        model.experts.peak_block_bytes / one)
+        runs[budget] = (
+            [o.tokens for o in out],
+            sum(o.stats["ledger"]["total"]["loads"] for o in out),
+            model.experts.peak_block_bytes / one,
+        )
         dec.close()
     (free_tokens, free_loads, free_peak), (tokens, loads, peak) = runs[0], runs[12]
     assert tokens == free_tokens and free_peak > 12 >= peak and loads > free_loads, (free_peak, peak, free_loads, loads)
@@ -370,6 +403,7 @@ def test_a_bounded_working_set_stays_exact_and_within_its_bytes(checkpoint, stor
 def test_the_ledger_times_gpu_waits_with_their_events():
     """On CUDA the compute stream waits on a copy's event (the host does not block): the ledger adds
     done − needed of each wait (never negative) to the forward's and the layer's stall when it ends."""
+
     class Event:  # the two methods of torch.cuda.Event the ledger uses, with a clock in ms
         def __init__(self, t):
             self.t = t
@@ -425,7 +459,7 @@ def test_flash_store_decodes_into_reused_buffers_only_once_nothing_holds_them(ch
     view = store.fetch(1, [2])[0][1][:3]  # only a view of expert 2's down kept: its buffers stay taken
     ptrs = {t.data_ptr() for w in held for t in w}
     for e in range(3, 16):  # one at a time, each dropped at once: one pair of buffers serves them all
-        (gu, dn), = store.fetch(2, [e])
+        ((gu, dn),) = store.fetch(2, [e])
         assert torch.equal(gu, fresh((2, e))[0]) and torch.equal(dn, fresh((2, e))[1])
         assert not ptrs & {gu.data_ptr(), dn.data_ptr()}
         del gu, dn
@@ -460,8 +494,9 @@ def test_a_bounded_round_counts_its_loads_in_flight(checkpoint, store):
         return start(key, demand)
 
     s._start = counted
-    dec = SpeculativeDecoder(TorchEngine(model, make_draft_path(model, "top-r", r=1)),
-                             SpecConfig(k_max=4, truncate=False, prefetch=True))
+    dec = SpeculativeDecoder(
+        TorchEngine(model, make_draft_path(model, "top-r", r=1)), SpecConfig(k_max=4, truncate=False, prefetch=True)
+    )
     for ids in PROMPTS[:3]:
         dec.generate(ids.tolist(), 16)
     dec.close()
@@ -482,8 +517,9 @@ def _q4_0_expert(H: int, inter: int, seed: int = 0):
         raw[:, :2] = np.frombuffer(np.float16(rng.standard_normal(nb) * 0.05).tobytes(), np.uint8).reshape(nb, 2)
         raw[:, 2:] = rng.integers(0, 256, (nb, 16))
         raw = raw.reshape(rows, cols // 32 * 18)
-        return torch.from_numpy(raw), decode(bytearray(raw.tobytes()), 0, raw.size, "q4_0", (rows, cols), "cpu",
-                                             torch.float32)
+        return torch.from_numpy(raw), decode(
+            bytearray(raw.tobytes()), 0, raw.size, "q4_0", (rows, cols), "cpu", torch.float32
+        )
 
     (gu, gu_f), (dn, dn_f) = matrix(2 * inter, H), matrix(H, inter)
     return gu, dn, gu_f, dn_f
@@ -496,7 +532,7 @@ def test_ggml_expert_kernel_is_row_invariant_and_close_to_the_dequantised_mlp():
     gu, dn, gu_f, dn_f = _q4_0_expert(H, inter)
     x = torch.randn(40, H, generator=torch.Generator().manual_seed(0))
     y = expert_mlp(x, gu, dn)
-    assert torch.equal(torch.cat([expert_mlp(x[i:i + 1], gu, dn) for i in range(40)]), y)
+    assert torch.equal(torch.cat([expert_mlp(x[i : i + 1], gu, dn) for i in range(40)]), y)
     assert torch.equal(expert_mlp(x[:5], gu, dn), y[:5])
     g, u = F.linear(x, gu_f).chunk(2, dim=-1)
     want = F.linear(F.silu(g) * u, dn_f)
@@ -515,7 +551,7 @@ def test_q4_0_linear_is_row_invariant_and_close_to_the_float_matmul():
     assert q.dtype == torch.uint8 and q.shape == (80, 64 // 32 * 18)
     assert torch.equal(quantize_q4_0(w, rows_at_once=7), q)  # rows are quantised on their own
     y = q4_0_linear(x, q)
-    assert torch.equal(torch.cat([q4_0_linear(x[i:i + 1], q) for i in range(12)]), y)
+    assert torch.equal(torch.cat([q4_0_linear(x[i : i + 1], q) for i in range(12)]), y)
     want = x @ w.T
     assert 0 < ((y - want).norm() / want.norm()).item() < 0.1  # Q4_0 weights, Q8_0 activations
     with pytest.raises(KernelError, match="whole 32-weight blocks"):

@@ -2,6 +2,7 @@
 store, K_max, controller and prefetch setting (float64, so a multi-token verify pass and one-token
 steps cannot round apart); the speculative sampler's token distribution is the target's; the
 prefetch and unique-expert accounting add up and match a brute-force recount from transformers."""
+
 import math
 import os
 import shutil
@@ -24,10 +25,27 @@ from draftexpert.speculation.round import SpecConfig, SpeculativeDecoder
 
 # Weights large enough (initializer_range 0.3) that routed experts move the logits: a drafter that
 # drops experts then disagrees with the target often (top-1 acceptance ~0.5, checked below).
-COMMON = dict(vocab_size=300, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
-              first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=16,
-              n_shared_experts=2, num_experts_per_tok=4, q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16,
-              qk_rope_head_dim=8, v_head_dim=16, n_group=1, topk_group=1, initializer_range=0.3)
+COMMON = dict(
+    vocab_size=300,
+    hidden_size=64,
+    intermediate_size=128,
+    moe_intermediate_size=32,
+    num_hidden_layers=3,
+    first_k_dense_replace=1,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    n_routed_experts=16,
+    n_shared_experts=2,
+    num_experts_per_tok=4,
+    q_lora_rank=None,
+    kv_lora_rank=32,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    n_group=1,
+    topk_group=1,
+    initializer_range=0.3,
+)
 MOE_LAYERS = [1, 2]
 DRAFTERS = ["top-1", "top-2", "top-3", "de-zero", "de-random"]
 
@@ -37,8 +55,9 @@ def hf_model(version: str, **over):
     if version == "v2":
         m = DeepseekV2ForCausalLM(DeepseekV2Config(**{**COMMON, **over}, topk_method="greedy"))
     else:
-        m = DeepseekV3ForCausalLM(DeepseekV3Config(**{**COMMON, **over}, norm_topk_prob=True,
-                                                   routed_scaling_factor=2.5))
+        m = DeepseekV3ForCausalLM(
+            DeepseekV3Config(**{**COMMON, **over}, norm_topk_prob=True, routed_scaling_factor=2.5)
+        )
         for layer in m.model.layers[1:]:
             layer.mlp.gate.e_score_correction_bias.normal_(0, 0.05)
     m.set_experts_implementation("eager")  # the grouped-mm kernel takes no float64
@@ -66,8 +85,11 @@ def models(request, odirect_dir):
     folder = odirect_dir / request.param
     hf.save_pretrained(folder)
     gguf = convert_experts(folder, odirect_dir / f"{request.param}.gguf", "f32")
-    out = {"resident": from_hf_model(hf), "host": build_model(folder, "host", dtype=torch.float64),
-           "flash": build_model(folder, "flash", dtype=torch.float64, gguf_path=gguf)}
+    out = {
+        "resident": from_hf_model(hf),
+        "host": build_model(folder, "host", dtype=torch.float64),
+        "flash": build_model(folder, "flash", dtype=torch.float64, gguf_path=gguf),
+    }
     yield hf, out
     for m in out.values():
         m.experts.close()
@@ -106,28 +128,51 @@ def test_every_drafter_and_k_is_exact(models, name):
     for k in (1, 2, 4, 8):
         for truncate in (False, True):
             for prefetch in (False, True):
-                cfg = SpecConfig(k_max=k, truncate=truncate, prefetch=prefetch, tau=0.9, budget=2,
-                                 draft_cache="own" if prefetch else "shared")
+                cfg = SpecConfig(
+                    k_max=k,
+                    truncate=truncate,
+                    prefetch=prefetch,
+                    tau=0.9,
+                    budget=2,
+                    draft_cache="own" if prefetch else "shared",
+                )
                 got = speculative(model, path, cfg).generate(ids, 24)
                 assert got.tokens == ref, (name, cfg)
 
 
 @settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(store=st.sampled_from(["resident", "host", "flash"]), name=st.sampled_from(DRAFTERS),
-       k=st.sampled_from([1, 2, 4, 8]), truncate=st.booleans(), prefetch=st.booleans(),
-       tau=st.floats(0.0, 1.0), budget=st.integers(0, 8), budget_mode=st.sampled_from(["fixed", "cache"]),
-       draft_cache=st.sampled_from(["shared", "own"]), seed=st.integers(0, 10_000), n=st.integers(1, 20),
-       cache_experts=st.sampled_from([0, 0, 5]))
-def test_speculative_greedy_equals_ar_offload(models, store, name, k, truncate, prefetch, tau, budget, budget_mode,
-                                              draft_cache, seed, n, cache_experts):
+@given(
+    store=st.sampled_from(["resident", "host", "flash"]),
+    name=st.sampled_from(DRAFTERS),
+    k=st.sampled_from([1, 2, 4, 8]),
+    truncate=st.booleans(),
+    prefetch=st.booleans(),
+    tau=st.floats(0.0, 1.0),
+    budget=st.integers(0, 8),
+    budget_mode=st.sampled_from(["fixed", "cache"]),
+    draft_cache=st.sampled_from(["shared", "own"]),
+    seed=st.integers(0, 10_000),
+    n=st.integers(1, 20),
+    cache_experts=st.sampled_from([0, 0, 5]),
+)
+def test_speculative_greedy_equals_ar_offload(
+    models, store, name, k, truncate, prefetch, tau, budget, budget_mode, draft_cache, seed, n, cache_experts
+):
     model = models[1][store]
     if store != "resident":  # cold, or a small LRU cache carried across rounds
         model.experts.capacity = cache_experts
         model.experts.cache.clear()
     ids = prompt(seed, n)
     ref = ar_tokens(model, ids)
-    cfg = SpecConfig(k_max=k, truncate=truncate, prefetch=prefetch, tau=tau, budget=budget, budget_mode=budget_mode,
-                     draft_cache=draft_cache)
+    cfg = SpecConfig(
+        k_max=k,
+        truncate=truncate,
+        prefetch=prefetch,
+        tau=tau,
+        budget=budget,
+        budget_mode=budget_mode,
+        draft_cache=draft_cache,
+    )
     got = speculative(model, drafter(model, name), cfg).generate(ids, 24)
     assert got.tokens == ref
     s = got.stats
@@ -139,8 +184,10 @@ def test_drafters_are_not_trivially_accepted(models):
     model = models[1]["resident"]
     acc = {}
     for name in ("top-1", "top-3", "de-random"):
-        outs = [speculative(model, drafter(model, name), SpecConfig(k_max=4, truncate=False)).generate(prompt(s, 8), 24)
-                for s in range(4)]
+        outs = [
+            speculative(model, drafter(model, name), SpecConfig(k_max=4, truncate=False)).generate(prompt(s, 8), 24)
+            for s in range(4)
+        ]
         acc[name] = sum(o.stats["accepted"] for o in outs) / sum(o.stats["drafted"] for o in outs)
     assert 0.1 < acc["top-1"] < 0.9 and acc["top-1"] < acc["top-3"], acc
     assert acc["de-random"] < 0.95, acc
@@ -169,6 +216,7 @@ def test_drafter_keeps_the_targets_gate_weights(models):
 
 # -- accounting -----------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("store", ["host", "flash"])
 def test_prefetch_and_unique_accounting(models, store, monkeypatch):
     """issued = hits + waste; hits + misses = verifier experts not resident at verify start; the
@@ -180,9 +228,11 @@ def test_prefetch_and_unique_accounting(models, store, monkeypatch):
     model.experts.cache.clear()
     fetched = []
     real_fetch = model.experts.fetch_iter  # `fetch` goes through it too
-    monkeypatch.setattr(model.experts, "fetch_iter",
-                        lambda layer, es, phase="ar": fetched.append((phase, layer, list(es)))
-                        or real_fetch(layer, es, phase))
+    monkeypatch.setattr(
+        model.experts,
+        "fetch_iter",
+        lambda layer, es, phase="ar": fetched.append((phase, layer, list(es))) or real_fetch(layer, es, phase),
+    )
     trace = []
     ids = prompt(5, 12)
     dec = speculative(model, top_r(2, model.cfg.top_k), SpecConfig(k_max=4, tau=0.5, budget=4), trace=trace)
@@ -202,17 +252,19 @@ def test_prefetch_and_unique_accounting(models, store, monkeypatch):
     assert s["verify_unique"] == sum(len(r["needed"]) for r in trace)
     # brute force, verify side: transformers' router over each verify block, position by position
     taps = []
-    hooks = [layer.mlp.gate.register_forward_hook(lambda m, i, o: taps.append(o[2]))  # (logits, weights, top-k indices)
-             for layer in hf.model.layers[1:]]
+    hooks = [
+        layer.mlp.gate.register_forward_hook(lambda m, i, o: taps.append(o[2]))  # (logits, weights, top-k indices)
+        for layer in hf.model.layers[1:]
+    ]
     try:
         seq = ids + out.tokens
         for rnd in trace:
             taps.clear()
             with torch.no_grad():
-                hf(torch.tensor([seq[:rnd["start"]] + rnd["block"]]))
+                hf(torch.tensor([seq[: rnd["start"]] + rnd["block"]]))
             brute = set()
             for layer, idx in zip(MOE_LAYERS, taps):
-                idx = idx.reshape(-1, model.cfg.top_k)[rnd["start"]:]
+                idx = idx.reshape(-1, model.cfg.top_k)[rnd["start"] :]
                 brute |= {(layer, e) for e in idx.unique().tolist()}
             assert brute == rnd["needed"]
     finally:
@@ -231,6 +283,7 @@ def test_prefetch_and_unique_accounting(models, store, monkeypatch):
 
 
 # -- sampling -------------------------------------------------------------------------------
+
 
 def chi2_p(observed: list[int], expected: list[float]) -> float:
     """Upper-tail p-value of Pearson's χ² (Wilson–Hilferty normal approximation; cells with
@@ -272,8 +325,9 @@ def test_speculative_sampling_matches_the_target_distribution():
             for c in range(6):
                 exact[(b, c)] = exact.get((b, c), 0.0) + float(p0[a] * p1[b] * p2[c])
     cells = sorted(exact)
-    dec = speculative(model, top_r(1, model.cfg.top_k), SpecConfig(k_max=2, truncate=False, prefetch=False,
-                                                                    temperature=T))
+    dec = speculative(
+        model, top_r(1, model.cfg.top_k), SpecConfig(k_max=2, truncate=False, prefetch=False, temperature=T)
+    )
     counts = dict.fromkeys(cells, 0)
     draft_only = dict.fromkeys(cells, 0)
     for seed in range(N):
@@ -299,8 +353,9 @@ def ggml_models(request, odirect_dir):
     gguf = convert_experts(folder, odirect_dir / f"{request.param}-q4.gguf", "q4_0")
     out = {s: build_model(folder, s, dtype=torch.float64, gguf_path=gguf, kernel="ggml") for s in ("flash", "resident")}
     for s in ("flash", "resident"):  # --head-type q4_0: the MLPs and LM head on ggml's kernels too
-        out[f"{s}-q4head"] = build_model(folder, s, dtype=torch.float64, gguf_path=gguf, kernel="ggml",
-                                         head_type="q4_0")
+        out[f"{s}-q4head"] = build_model(
+            folder, s, dtype=torch.float64, gguf_path=gguf, kernel="ggml", head_type="q4_0"
+        )
     out["folder"] = folder
     yield out
     out.pop("folder")
@@ -365,8 +420,9 @@ def test_compiled_step_with_the_ggml_kernel_is_exact(ggml_models, odirect_dir):
     `draftexpert::routed_experts`, outside the graph) gives the eager flash model's AR tokens and
     loads, and DraftExpert on it still emits exactly those tokens (its verify runs eager)."""
     folder, eager = ggml_models["folder"], ggml_models["flash"]
-    compiled = build_model(folder, "flash", dtype=torch.float64, gguf_path=odirect_dir / f"{folder.name}.gguf",
-                           kernel="ggml").compile_decode()
+    compiled = build_model(
+        folder, "flash", dtype=torch.float64, gguf_path=odirect_dir / f"{folder.name}.gguf", kernel="ggml"
+    ).compile_decode()
     ids = prompt(0, 9)
     ref = ar_tokens(eager, ids)
     loads = eager.experts.ledger.summary()["total"]["loads"]

@@ -1,5 +1,6 @@
 """`bench sweep GRID.toml`: grid files, shards, and Ray — a killed worker's task is retried and
 every cell lands exactly once, with the same records as the in-process sweep."""
+
 from __future__ import annotations
 
 import json
@@ -16,7 +17,10 @@ from bench.steps.grid import GridError, collect, read_grid, run_sweep
 
 def _grid(tmp_path, ckpt, text=None, name="grid.toml"):
     f = tmp_path / name
-    f.write_text(text if text is not None else f"""
+    f.write_text(
+        text
+        if text is not None
+        else f"""
 [prompts]
 suite = ["gsm8k"]
 limit = 8
@@ -31,14 +35,19 @@ method = ["ar", "top-r"]
 [settings]
 r = [1]
 k_max = [3]
-""")
+"""
+    )
     return f
 
 
 def test_a_grid_expands_to_cells_times_shards(tmp_path, tiny_checkpoint):
     tasks, _ = read_grid(_grid(tmp_path, tiny_checkpoint))
     assert [(t.method, t.settings, t.shard) for t in tasks] == [
-        ("ar", {}, 0), ("ar", {}, 1), ("top-r", {"k_max": 3, "r": 1}, 0), ("top-r", {"k_max": 3, "r": 1}, 1)]
+        ("ar", {}, 0),
+        ("ar", {}, 1),
+        ("top-r", {"k_max": 3, "r": 1}, 0),
+        ("top-r", {"k_max": 3, "r": 1}, 1),
+    ]
     assert len({t.folder for t in tasks}) == 4
 
 
@@ -56,16 +65,19 @@ def test_the_shipped_grids_parse():
         assert tasks and all(t.gpus == (1 if t.platform == "cg" else 0) for t in tasks)
 
 
-@pytest.mark.parametrize("text, words", [
-    ("[grid]\nmethod = ['ar']\nmodle = ['ds']\n", "[grid] modle: unknown key"),
-    ("[grid]\nplatform = ['phone']\n", "[grid] platform: phone not one of"),
-    ("[grid]\nengine = ['llama.cpp']\nplatform = ['cg']\n", "engine llama.cpp runs platforms mn and resident"),
-    ("[settings]\nk_max = ['four']\n", "[settings] k_max: 'four' is not int"),
-    ("[prompts]\nsuite = ['poems']\n", "[prompts] suite: unknown poems"),
-    ("[grid\n", "not TOML"),
-    ("[output]\n", "unknown section or key 'output'"),
-    ("[grid]\nhead_type = 'q8_0'\n", "[grid] head_type: 'q8_0' not one of checkpoint, q4_0"),
-])
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        ("[grid]\nmethod = ['ar']\nmodle = ['ds']\n", "[grid] modle: unknown key"),
+        ("[grid]\nplatform = ['phone']\n", "[grid] platform: phone not one of"),
+        ("[grid]\nengine = ['llama.cpp']\nplatform = ['cg']\n", "engine llama.cpp runs platforms mn and resident"),
+        ("[settings]\nk_max = ['four']\n", "[settings] k_max: 'four' is not int"),
+        ("[prompts]\nsuite = ['poems']\n", "[prompts] suite: unknown poems"),
+        ("[grid\n", "not TOML"),
+        ("[output]\n", "unknown section or key 'output'"),
+        ("[grid]\nhead_type = 'q8_0'\n", "[grid] head_type: 'q8_0' not one of checkpoint, q4_0"),
+    ],
+)
 def test_a_bad_grid_names_the_key(tmp_path, text, words):
     with pytest.raises(GridError, match=None) as e:
         read_grid(_grid(tmp_path, None, text))

@@ -1,15 +1,20 @@
 """Table 1 from fixture run manifests: one column per platform measured, the paper's beside."""
+
 import copy
 
 import pytest
 
 from paper_figs import table1
 
-MACHINE = {"machine_id": "abc", "os": "Linux", "cpu": {"model": "EPYC", "usable_cores": 2, "simd": ["avx2"]},
-           "memory": {"total_gib": 23.5},
-           "storage": {"device": "/dev/vda", "fstype": "ext4", "rotational": False,
-                       "odirect_read": {"gb_per_s_median": 1.5}},
-           "gpus": {"note": "none"}, "versions": {"torch": "2.13.0", "llama_cpp": "0.3.36"}}
+MACHINE = {
+    "machine_id": "abc",
+    "os": "Linux",
+    "cpu": {"model": "EPYC", "usable_cores": 2, "simd": ["avx2"]},
+    "memory": {"total_gib": 23.5},
+    "storage": {"device": "/dev/vda", "fstype": "ext4", "rotational": False, "odirect_read": {"gb_per_s_median": 1.5}},
+    "gpus": {"note": "none"},
+    "versions": {"torch": "2.13.0", "llama_cpp": "0.3.36"},
+}
 
 
 def _manifest(platform, engine, expert_type=None, read_bw=None, bw=1.5):
@@ -22,8 +27,12 @@ def _manifest(platform, engine, expert_type=None, read_bw=None, bw=1.5):
 
 
 def test_columns_group_runs_by_platform_and_keep_caps_and_bandwidth_ranges():
-    ms = [_manifest("mn", "torch", "q4_0"), _manifest("mn", "torch", "q4_0", 16 * 10**6, bw=0.8),
-          _manifest("cg", "torch"), _manifest("resident", "torch")]
+    ms = [
+        _manifest("mn", "torch", "q4_0"),
+        _manifest("mn", "torch", "q4_0", 16 * 10**6, bw=0.8),
+        _manifest("cg", "torch"),
+        _manifest("resident", "torch"),
+    ]
     cols = table1.columns(ms)
     assert list(cols) == ["cg · torch · checkpoint", "mn · torch · q4_0"]
     mn = cols["mn · torch · q4_0"]

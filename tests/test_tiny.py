@@ -1,5 +1,6 @@
 """Embedded tiny models: tokenizer, balancing, resumable training, corpus decontamination, and
 (when committed) the trained folders themselves."""
+
 import dataclasses
 import json
 import math
@@ -29,11 +30,13 @@ def test_tokenizer_round_trip_and_chat_template(tmp_path):
     tok = AutoTokenizer.from_pretrained(tmp_path)
     for s in ["def add(a, b):\n    return a + b\n", "naïve café — ünïcödé ✓ 12345", "  leading spaces\ttabs\n\n"]:
         assert tok.decode(tok(s, add_special_tokens=False)["input_ids"]) == s
-    text = tok.apply_chat_template([{"role": "user", "content": "Hi there"}], add_generation_prompt=True,
-                                   tokenize=False)
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "Hi there"}], add_generation_prompt=True, tokenize=False
+    )
     assert text == "<|bos|>User: Hi there\n\nAssistant:"
-    two = tok.apply_chat_template([{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}],
-                                  tokenize=False)
+    two = tok.apply_chat_template(
+        [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}], tokenize=False
+    )
     assert two == "<|bos|>User: Q\n\nAssistant: A<|eos|>"
     assert tok.chat_template == CHAT_TEMPLATE and tok.model_max_length == 2048
 
@@ -50,7 +53,7 @@ def test_prepare_encodes_with_a_committed_tokenizer_instead_of_training_one(tmp_
     used = AutoTokenizer.from_pretrained(data_dir / "tokenizer")
     assert used.get_vocab() == committed.get_vocab()
     ids = np.fromfile(data_dir / "train.bin", dtype=np.uint16).tolist()
-    assert ids[0] == committed.bos_token_id and committed.decode(ids[1:ids.index(committed.eos_token_id)]) == docs[0]
+    assert ids[0] == committed.bos_token_id and committed.decode(ids[1 : ids.index(committed.eos_token_id)]) == docs[0]
 
 
 def test_repeated_ngram_share_counts_repeats_of_earlier_ngrams():
@@ -84,11 +87,28 @@ def _tiny_data(tmp_path: Path, vocab: int) -> Path:
 
 
 def _v3_small() -> DeepseekV3Config:
-    return DeepseekV3Config(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-                            num_hidden_layers=2, first_k_dense_replace=1, num_attention_heads=2, num_key_value_heads=2,
-                            n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=1, topk_group=1,
-                            q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
-                            norm_topk_prob=True, routed_scaling_factor=2.5)
+    return DeepseekV3Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        first_k_dense_replace=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        n_routed_experts=8,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        q_lora_rank=None,
+        kv_lora_rank=16,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=8,
+        v_head_dim=8,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+    )
 
 
 def test_evaluation_reports_what_the_routed_experts_carry():
@@ -103,7 +123,7 @@ def test_evaluation_reports_what_the_routed_experts_carry():
     hook = moe.register_forward_hook(lambda m, i, o: seen.update(h=i[0].reshape(-1, 32), y=o.reshape(-1, 32)))
     with torch.no_grad():
         for i in range(4):
-            model(input_ids=torch.from_numpy(data[i * 32: i * 32 + 33][None, :-1].astype(np.int64)))
+            model(input_ids=torch.from_numpy(data[i * 32 : i * 32 + 33][None, :-1].astype(np.int64)))
             shared = moe.shared_experts(seen["h"])
             seen.setdefault("r", []).append((seen["y"] - shared).norm(dim=-1).sum().item())
             seen.setdefault("s", []).append(shared.norm(dim=-1).sum().item())
@@ -113,11 +133,22 @@ def test_evaluation_reports_what_the_routed_experts_carry():
 
 def test_training_resumes_exactly_and_updates_v3_bias(tmp_path):
     data = _tiny_data(tmp_path, 64)
-    cfg = TrainConfig(model="ml-tiny", steps=6, batch_size=2, seq_len=32, warmup=2, ckpt_every=3, eval_every=3,
-                      eval_batches=1, bf16=False, threads=1)
+    cfg = TrainConfig(
+        model="ml-tiny",
+        steps=6,
+        batch_size=2,
+        seq_len=32,
+        warmup=2,
+        ckpt_every=3,
+        eval_every=3,
+        eval_batches=1,
+        bf16=False,
+        threads=1,
+    )
     straight = train(cfg, data, tmp_path / "a", log=lambda m: None, model_config=_v3_small())
     # same run, "killed" after the step-3 checkpoint: keep state.pt from a 3-step run with the same schedule
     part = tmp_path / "b"
+
     class Stop(Exception):
         pass
 
@@ -198,7 +229,7 @@ def test_committed_model_loads_offline_with_the_spec_routing(name, monkeypatch):
     ids = tok.apply_chat_template([{"role": "user", "content": "What is a list?"}], add_generation_prompt=True)
     ids = ids["input_ids"] if hasattr(ids, "keys") else ids
     out = model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)
-    assert out.shape[1] == len(ids) + 8 or tok.eos_token_id in out[0, len(ids):].tolist()
+    assert out.shape[1] == len(ids) + 8 or tok.eos_token_id in out[0, len(ids) :].tolist()
 
 
 @pytest.mark.parametrize("name", EMBEDDED)

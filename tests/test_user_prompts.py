@@ -1,4 +1,5 @@
 """A user's own prompts (`--prompts FILE`: JSONL, CSV, Parquet) and suites as `datasets.Dataset`."""
+
 from __future__ import annotations
 
 import json
@@ -20,21 +21,43 @@ def _cli(*args):
 
 
 def _run(ckpt, prompts, out, *extra):
-    return _cli("run", "--model", "ds-tiny", "--model-path", ckpt, "--platform", "resident", "--prompts", prompts,
-                "--max-new-tokens", 4, "--out", out, "--threads", 1, *extra)
+    return _cli(
+        "run",
+        "--model",
+        "ds-tiny",
+        "--model-path",
+        ckpt,
+        "--platform",
+        "resident",
+        "--prompts",
+        prompts,
+        "--max-new-tokens",
+        4,
+        "--out",
+        out,
+        "--threads",
+        1,
+        *extra,
+    )
 
 
 BAD = {
     "not-json.jsonl": ('{"category": "a", "prompt": "hello"}\nnot json at all\n', "not-json.jsonl:2: not JSON"),
-    "no-field.jsonl": ('{"category": "a", "prompt": "hello"}\n\n{"prompt": "b"}\n',
-                       "no-field.jsonl:3: missing field 'category'"),
+    "no-field.jsonl": (
+        '{"category": "a", "prompt": "hello"}\n\n{"prompt": "b"}\n',
+        "no-field.jsonl:3: missing field 'category'",
+    ),
     "empty.jsonl": ('{"category": "a", "prompt": "   "}\n', "empty.jsonl:1: empty prompt"),
     "not-object.jsonl": ('["a", "b"]\n', "not-object.jsonl:1: expected an object"),
     "number.jsonl": ('{"category": "a", "prompt": 7}\n', "number.jsonl:1: field 'prompt' must be text"),
-    "twice.jsonl": ('{"id": "q", "category": "a", "prompt": "x"}\n{"id": "q", "category": "a", "prompt": "y"}\n',
-                    "twice.jsonl:2: id 'q' repeats line 1"),
-    "too-long.jsonl": (json.dumps({"category": "a", "prompt": "the model " * 400}) + "\n",
-                       "too-long.jsonl:1: the prompt is"),
+    "twice.jsonl": (
+        '{"id": "q", "category": "a", "prompt": "x"}\n{"id": "q", "category": "a", "prompt": "y"}\n',
+        "twice.jsonl:2: id 'q' repeats line 1",
+    ),
+    "too-long.jsonl": (
+        json.dumps({"category": "a", "prompt": "the model " * 400}) + "\n",
+        "too-long.jsonl:1: the prompt is",
+    ),
     "empty-cell.csv": ("category,prompt\na,hello\na,\n", "empty-cell.csv: row 2: no prompt"),
     "no-column.csv": ("category,text\na,hello\n", "no-column.csv: row 1: missing field 'prompt'"),
     "prompts.txt": ("hello\n", "unknown format '.txt'"),
@@ -55,8 +78,10 @@ def test_a_bad_prompt_file_names_the_line_and_leaves_nothing(tiny_checkpoint, tm
 
 
 def test_a_user_file_runs_in_every_format(tiny_checkpoint, tmp_path):
-    rows = [{"category": "mine", "prompt": "the model routes each token"},
-            {"id": "second", "category": "mine", "prompt": "six experts and the shared experts"}]
+    rows = [
+        {"category": "mine", "prompt": "the model routes each token"},
+        {"id": "second", "category": "mine", "prompt": "six experts and the shared experts"},
+    ]
     (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     pd.DataFrame(rows).drop(columns="id").to_csv(tmp_path / "p.csv", index=False)
     pd.DataFrame(rows).drop(columns="id").to_parquet(tmp_path / "p.parquet")
@@ -65,7 +90,7 @@ def test_a_user_file_runs_in_every_format(tiny_checkpoint, tmp_path):
         out = tmp_path / f"run-{kind}"
         res = _run(tiny_checkpoint, tmp_path / f"p.{kind}", out, "--json")
         assert res.exit_code == 0, res.output
-        recs = json.loads(res.stdout[res.stdout.index("{"):])["records"]
+        recs = json.loads(res.stdout[res.stdout.index("{") :])["records"]
         assert [r["category"] for r in recs] == ["mine", "mine"]
         tokens[kind] = [r["tokens"] for r in recs]
         assert all(len(t) == 4 for t in tokens[kind])
@@ -82,8 +107,9 @@ def test_prompt_suites_travel_as_datasets_and_run_the_same(tiny_checkpoint, tmp_
     dec, tok, cfg = make_decoder(Cell(method="ar", platform="resident", max_new_tokens=4), tiny_checkpoint)
     for name, suite in (("list", recs), ("dataset", ds)):
         run_cells(cfg, suite, dec, tok, tmp_path / name, log=lambda m: None)
-    assert ([r["tokens"] for r in read_records(tmp_path / "list" / "records.jsonl")]
-            == [r["tokens"] for r in read_records(tmp_path / "dataset" / "records.jsonl")])
+    assert [r["tokens"] for r in read_records(tmp_path / "list" / "records.jsonl")] == [
+        r["tokens"] for r in read_records(tmp_path / "dataset" / "records.jsonl")
+    ]
 
 
 def test_prompts_and_suites_do_not_mix(tiny_checkpoint, tmp_path):

@@ -10,6 +10,7 @@ Draft experts: embedded models keep theirs beside the weights,
 `models/<name>/draft_experts/<preset>.safetensors`; real models (whose folder may be a read-only
 Hugging Face cache) under `work/draft_experts/<name>/`.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -48,8 +49,14 @@ def usable(path: Path, log: Callable[[str], None] = _stderr, full: bool = False)
     return False
 
 
-def expert_file_for(model: str, folder: Path, qtype: str, out: Path | None = None,
-                    log: Callable[[str], None] = _stderr, verify: bool = False) -> Path:
+def expert_file_for(
+    model: str,
+    folder: Path,
+    qtype: str,
+    out: Path | None = None,
+    log: Callable[[str], None] = _stderr,
+    verify: bool = False,
+) -> Path:
     """The GGUF expert file of a checkpoint, written once and reused (after its checksums are
     checked; `verify`: every byte read again): its name carries a fingerprint of config.json and
     the shards' names, sizes and mtimes."""
@@ -86,8 +93,16 @@ def dense_counterpart_for(model: str, folder: Path, log: Callable[[str], None] =
     return path
 
 
-def llama_head_for(model: str, folder: Path, qtype: str, expert_file: Path, draft=None, draft_id: str | None = None,
-                   log: Callable[[str], None] = _stderr, verify: bool = False) -> Path:
+def llama_head_for(
+    model: str,
+    folder: Path,
+    qtype: str,
+    expert_file: Path,
+    draft=None,
+    draft_id: str | None = None,
+    log: Callable[[str], None] = _stderr,
+    verify: bool = False,
+) -> Path:
     """Split 1 of the llama.cpp model (the target's, or a DraftExpert drafter's), written once next
     to the expert file, whose symlink is split 2 (`draftexpert.engines.llama_gguf`)."""
     prefix = expert_file.with_suffix("") / ("target" if draft is None else f"draftexpert-{draft_id}")

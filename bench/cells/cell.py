@@ -8,6 +8,7 @@ every entry point uses (the CLI only reports them); its defaults are the library
 `Cell.config(resolved)` the record key's configuration, so a new option touches this file and the
 code that uses it.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
@@ -81,8 +82,11 @@ class SpecOptions:
         return replace(self, **own, round=replace(self.round, **overrides))
 
     def as_dict(self) -> dict:
-        return {"r": self.r, "draft_experts": str(self.draft_experts) if self.draft_experts else None,
-                **asdict(self.round)}
+        return {
+            "r": self.r,
+            "draft_experts": str(self.draft_experts) if self.draft_experts else None,
+            **asdict(self.round),
+        }
 
 
 ROUND_FIELDS = {f.name for f in fields(SpecConfig)} - {"temperature", "seed"}  # sampling is the cell's own
@@ -129,29 +133,43 @@ class Cell:
     spec: SpecOptions = field(default_factory=SpecOptions)
 
     def __post_init__(self):
-        for name, allowed in (("method", METHODS), ("platform", PLATFORMS), ("engine", ENGINES),
-                              ("expert_type", TYPES), ("dtype", DTYPES), ("expert_kernel", EXPERT_KERNELS),
-                              ("head_type", HEAD_TYPES), ("device", (None, *get_args(Device)))):
+        for name, allowed in (
+            ("method", METHODS),
+            ("platform", PLATFORMS),
+            ("engine", ENGINES),
+            ("expert_type", TYPES),
+            ("dtype", DTYPES),
+            ("expert_kernel", EXPERT_KERNELS),
+            ("head_type", HEAD_TYPES),
+            ("device", (None, *get_args(Device))),
+        ):
             _choice(name, getattr(self, name), allowed)
         if self.method == "reference":
             return
         _choice("staging", self.staging, STAGINGS[self.engine])
         if self.engine == "llama.cpp":
             if self.method not in ("ar", *SPEC_METHODS):
-                raise CellError(f"--method {self.method} does not run on the llama.cpp engine (ar, top-r, "
-                                "draftexpert do)")
+                raise CellError(
+                    f"--method {self.method} does not run on the llama.cpp engine (ar, top-r, draftexpert do)"
+                )
             if self.platform not in ("mn", "resident"):
-                raise CellError("--platform: the llama.cpp engine runs mn (experts from storage) or resident, "
-                                f"not {self.platform}")
+                raise CellError(
+                    f"--platform: the llama.cpp engine runs mn (experts from storage) or resident, not {self.platform}"
+                )
             if self.temperature > 0:
                 raise CellError("--temperature: the llama.cpp engine decodes greedily; use the torch engine to sample")
             if self.compile:
                 raise CellError("--compile applies to the torch engine only")
-            torch_only = [flag(n) for n in ("device", "dtype", "working_set", "expert_kernel", "head_type")
-                          if getattr(self, n) != CELL_DEFAULTS[n]]
+            torch_only = [
+                flag(n)
+                for n in ("device", "dtype", "working_set", "expert_kernel", "head_type")
+                if getattr(self, n) != CELL_DEFAULTS[n]
+            ]
             if torch_only:
-                raise CellError(f"{' / '.join(torch_only)} apply to the torch engine (llama.cpp runs the model file's "
-                                "types and stages through the page cache)")
+                raise CellError(
+                    f"{' / '.join(torch_only)} apply to the torch engine (llama.cpp runs the model file's "
+                    "types and stages through the page cache)"
+                )
         if self.working_set and self.platform == "resident":
             raise CellError("--working-set bounds what a round moves to the accelerator: platforms cg and mn")
         if self.read_bw is not None and self.platform != "mn":
@@ -217,9 +235,12 @@ class Cell:
         spec = self.spec
         round_args = {k: v for k, v in asdict(self.round_config()).items() if k in ROUND_FIELDS}
         if self.engine == "llama.cpp":
-            args = {"expert_type": self.expert_type, "threads": resolved.threads,
-                    "kv_type": "f32" if self.expert_type == "f32" else "f16",  # an f32 model keeps an f32 cache
-                    "staging": LLAMA_STAGING["resident" if self.platform == "resident" else self.staging]}
+            args = {
+                "expert_type": self.expert_type,
+                "threads": resolved.threads,
+                "kv_type": "f32" if self.expert_type == "f32" else "f16",  # an f32 model keeps an f32 cache
+                "staging": LLAMA_STAGING["resident" if self.platform == "resident" else self.staging],
+            }
             if self.method == "top-r":
                 args["r"] = spec.r
             elif self.method == "draftexpert":
@@ -241,8 +262,11 @@ class Cell:
             if self.compile:
                 args["compiled"] = True
             if self.store == "flash":
-                args.update(expert_type=self.expert_type, staging_budget=self.staging_budget,
-                            staging=TORCH_STAGING[self.staging])
+                args.update(
+                    expert_type=self.expert_type,
+                    staging_budget=self.staging_budget,
+                    staging=TORCH_STAGING[self.staging],
+                )
             if self.speculative:
                 args.update(round_args)
                 if self.method == "top-r":
@@ -256,13 +280,24 @@ class Cell:
     def config(self, resolved: Resolved = Resolved()) -> CellConfig:
         """The configuration a record's key is hashed from."""
         if self.method == "reference":
-            return CellConfig(model=self.model, method=self.method, weights=resolved.weights, platform="resident",
-                              max_new_tokens=self.max_new_tokens)
-        return CellConfig(model=self.model, method=self.method, weights=resolved.weights, platform=self.platform,
-                          engine=self.engine, max_new_tokens=self.max_new_tokens,
-                          temperature=0.0 if self.engine == "llama.cpp" else self.temperature,
-                          seed=0 if self.engine == "llama.cpp" else self.seed,
-                          method_args=self.method_args(resolved))
+            return CellConfig(
+                model=self.model,
+                method=self.method,
+                weights=resolved.weights,
+                platform="resident",
+                max_new_tokens=self.max_new_tokens,
+            )
+        return CellConfig(
+            model=self.model,
+            method=self.method,
+            weights=resolved.weights,
+            platform=self.platform,
+            engine=self.engine,
+            max_new_tokens=self.max_new_tokens,
+            temperature=0.0 if self.engine == "llama.cpp" else self.temperature,
+            seed=0 if self.engine == "llama.cpp" else self.seed,
+            method_args=self.method_args(resolved),
+        )
 
     def check(self, given: Iterable[str]) -> list[str]:
         """The options in `given` (cell fields a user set) that do not apply to this cell: raises
@@ -301,33 +336,69 @@ _offload = lambda c: c.method != "reference"  # noqa: E731 - the reference runs 
 REFERENCE_WHY = "to --method reference (transformers' greedy decoding, every weight resident)"
 NO_STORAGE = "(nothing is read from storage)"
 RULES: tuple[Rule, ...] = (
-    Rule(SPEC_FLAGS, lambda c: not c.speculative,
-         lambda c: f"to --method {c.method} (they set the speculative methods)"),
-    Rule(("draft_experts",), lambda c: c.method == "top-r",
-         lambda c: "to --method top-r (its drafter is the target's own top-r experts)"),
-    Rule(("r",), lambda c: c.method == "draftexpert",
-         lambda c: "to --method draftexpert (its drafter is shared + top-1 + the draft expert)"),
-    Rule(("temperature", "engine", "read_bw", "compile", "device", "dtype", "working_set", "expert_kernel",
-          "head_type"), lambda c: c.method == "reference", lambda c: REFERENCE_WHY),
-    Rule(("platform", "expert_type", "cache_experts", "staging_budget", "staging", "seed"),
-         lambda c: c.method == "reference", lambda c: REFERENCE_WHY, warn=True),
-    Rule(("device",), lambda c: _offload(c) and c.platform == "mn",
-         lambda c: f"to --platform {c.platform} (it runs on the CPU here; cg is the GPU platform, resident takes "
-                   "--device cuda as its upper bound)"),
-    Rule(("dtype", "expert_kernel", "head_type"), lambda c: _offload(c) and c.engine == "llama.cpp",
-         lambda c: "to --engine llama.cpp (it computes in the model file's types)"),
-    Rule(("read_bw",), lambda c: _offload(c) and c.platform != "mn",
-         lambda c: f"to --platform {c.platform} {NO_STORAGE}"),
-    Rule(("staging_budget",), lambda c: _offload(c) and c.platform != "mn",
-         lambda c: f"to --platform {c.platform} {NO_STORAGE}", warn=True),
-    Rule(("expert_type",), lambda c: _offload(c) and (c.platform == "cg" or (c.platform == "resident"
-                                                                          and c.engine == "torch")),
-         lambda c: f"to --platform {c.platform} on the torch engine (the checkpoint's weights are used as they are)",
-         warn=True),
-    Rule(("cache_experts",), lambda c: _offload(c) and c.platform == "resident",
-         lambda c: "to --platform resident (every expert is already on the accelerator)", warn=True),
-    Rule(("working_set",), lambda c: _offload(c) and c.platform == "resident",
-         lambda c: "to --platform resident (nothing is moved)"),
+    Rule(
+        SPEC_FLAGS, lambda c: not c.speculative, lambda c: f"to --method {c.method} (they set the speculative methods)"
+    ),
+    Rule(
+        ("draft_experts",),
+        lambda c: c.method == "top-r",
+        lambda c: "to --method top-r (its drafter is the target's own top-r experts)",
+    ),
+    Rule(
+        ("r",),
+        lambda c: c.method == "draftexpert",
+        lambda c: "to --method draftexpert (its drafter is shared + top-1 + the draft expert)",
+    ),
+    Rule(
+        ("temperature", "engine", "read_bw", "compile", "device", "dtype", "working_set", "expert_kernel", "head_type"),
+        lambda c: c.method == "reference",
+        lambda c: REFERENCE_WHY,
+    ),
+    Rule(
+        ("platform", "expert_type", "cache_experts", "staging_budget", "staging", "seed"),
+        lambda c: c.method == "reference",
+        lambda c: REFERENCE_WHY,
+        warn=True,
+    ),
+    Rule(
+        ("device",),
+        lambda c: _offload(c) and c.platform == "mn",
+        lambda c: (
+            f"to --platform {c.platform} (it runs on the CPU here; cg is the GPU platform, resident takes "
+            "--device cuda as its upper bound)"
+        ),
+    ),
+    Rule(
+        ("dtype", "expert_kernel", "head_type"),
+        lambda c: _offload(c) and c.engine == "llama.cpp",
+        lambda c: "to --engine llama.cpp (it computes in the model file's types)",
+    ),
+    Rule(
+        ("read_bw",), lambda c: _offload(c) and c.platform != "mn", lambda c: f"to --platform {c.platform} {NO_STORAGE}"
+    ),
+    Rule(
+        ("staging_budget",),
+        lambda c: _offload(c) and c.platform != "mn",
+        lambda c: f"to --platform {c.platform} {NO_STORAGE}",
+        warn=True,
+    ),
+    Rule(
+        ("expert_type",),
+        lambda c: _offload(c) and (c.platform == "cg" or (c.platform == "resident" and c.engine == "torch")),
+        lambda c: f"to --platform {c.platform} on the torch engine (the checkpoint's weights are used as they are)",
+        warn=True,
+    ),
+    Rule(
+        ("cache_experts",),
+        lambda c: _offload(c) and c.platform == "resident",
+        lambda c: "to --platform resident (every expert is already on the accelerator)",
+        warn=True,
+    ),
+    Rule(
+        ("working_set",),
+        lambda c: _offload(c) and c.platform == "resident",
+        lambda c: "to --platform resident (nothing is moved)",
+    ),
 )
 
 

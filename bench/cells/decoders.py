@@ -5,6 +5,7 @@ Every method is one of two decoders over an engine (`draftexpert.decoding.Engine
 torch runtime (platforms resident / cg / mn) or llama.cpp (platform mn). The cell config's
 `method_args` name everything that changes what a cell measures (they are hashed into its key).
 """
+
 from __future__ import annotations
 
 import json
@@ -32,6 +33,7 @@ from draftexpert.speculation.round import SpeculativeDecoder
 
 __all__ = ["DTYPES", "ENGINES", "METHODS", "PLATFORMS", "Cell", "CellError", "SpecOptions", "make_decoder"]
 
+
 def available_device(platform: str) -> str | None:
     """For the suite's own sweeps (reproduce, fuzz) that run anywhere: cg on the GPU when there is
     one, else on the CPU as the accelerator; other platforms their default."""
@@ -49,20 +51,27 @@ def placement(platform: str, method: str, device: str | None = None, dtype: str 
         raise ValueError(f"--device: {device!r} is not one of cpu, cuda")
     if platform == "mn" or method == "reference":
         if device == "cuda":
-            raise ValueError(f"--device cuda: {'the reference' if method == 'reference' else 'platform mn'} runs on "
-                             "the CPU here (cg is the GPU platform; resident takes --device cuda as its upper bound)")
+            raise ValueError(
+                f"--device cuda: {'the reference' if method == 'reference' else 'platform mn'} runs on "
+                "the CPU here (cg is the GPU platform; resident takes --device cuda as its upper bound)"
+            )
         device = "cpu"
     elif platform == "resident" and device is None:
         device = "cpu"
     elif device is None or device == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError(f"--platform {platform}{' --device cuda' if platform == 'resident' else ''} needs a CUDA "
-                             "GPU, and torch sees none (a CPU build or no device); `--device cpu` runs cg with the "
-                             "CPU as the accelerator (recorded so)")
+            raise ValueError(
+                f"--platform {platform}{' --device cuda' if platform == 'resident' else ''} needs a CUDA "
+                "GPU, and torch sees none (a CPU build or no device); `--device cpu` runs cg with the "
+                "CPU as the accelerator (recorded so)"
+            )
         device = "cuda"
     if dtype == "bf16" and method in ("top-r", "draftexpert"):
-        print("warning: --dtype bf16: a verify pass and the one-token step round differently in bf16, so a near-tie "
-              "can make the tokens differ from AR's; --dtype fp32 (the default) keeps them equal", file=sys.stderr)
+        print(
+            "warning: --dtype bf16: a verify pass and the one-token step round differently in bf16, so a near-tie "
+            "can make the tokens differ from AR's; --dtype fp32 (the default) keeps them equal",
+            file=sys.stderr,
+        )
     return device, dtype
 
 
@@ -70,8 +79,10 @@ def _tokenizer(folder: Path):
     try:
         return AutoTokenizer.from_pretrained(folder, local_files_only=True)
     except Exception as e:  # noqa: BLE001 - transformers raises OSError / ValueError / its own types
-        raise CheckpointError(f"the tokenizer in {folder} could not be loaded ({type(e).__name__}); a model folder "
-                              "needs tokenizer.json and tokenizer_config.json beside config.json") from None
+        raise CheckpointError(
+            f"the tokenizer in {folder} could not be loaded ({type(e).__name__}); a model folder "
+            "needs tokenizer.json and tokenizer_config.json beside config.json"
+        ) from None
 
 
 def _draft_experts(model: str, folder: Path, file: Path | None):
@@ -79,22 +90,40 @@ def _draft_experts(model: str, folder: Path, file: Path | None):
     draft expert (= shared+top-1) stands in, unless the user asked for it (`--draft-experts zero`)."""
     draft, meta = load_draft_experts_for(model, folder, file)
     if draft is None and file is None:
-        print(f"warning: {model} has no distilled draft experts ({experts_dir(model, folder) / 'full.safetensors'} is "
-              f"absent): DraftExpert runs the zero draft expert = shared+top-1; `bench distill --model {model}` "
-              "trains them (a real model through the offload runtime; `bench plan --model {model} --distill` first), "
-              "`--draft-experts zero` silences this", file=sys.stderr)
+        print(
+            f"warning: {model} has no distilled draft experts ({experts_dir(model, folder) / 'full.safetensors'} is "
+            f"absent): DraftExpert runs the zero draft expert = shared+top-1; `bench distill --model {model}` "
+            "trains them (a real model through the offload runtime; `bench plan --model {model} --distill` first), "
+            "`--draft-experts zero` silences this",
+            file=sys.stderr,
+        )
     return draft, meta
 
 
-def _fits(folder: Path, platform: str, cuda: bool, expert_type: str, positions: int, dtype_bytes: int = 4,
-          working_set: int = 0, draft_intermediate: int = 0) -> int:
+def _fits(
+    folder: Path,
+    platform: str,
+    cuda: bool,
+    expert_type: str,
+    positions: int,
+    dtype_bytes: int = 4,
+    working_set: int = 0,
+    draft_intermediate: int = 0,
+) -> int:
     """The memory plan checked against this machine before anything is loaded (WontFit when even
     its least need does not fit); returns the working-set bound to use: the one asked for, or —
     when a round staging every position would not fit — the bytes that leave room (else 0).
     `draft_intermediate`: DraftExpert's draft-expert width (its drafter's fused shared MLP is counted)."""
-    p = plan(json.loads((folder / "config.json").read_text()), platform, cuda, dtype_bytes=dtype_bytes,
-             expert_type=expert_type, positions=positions, working_set_bytes=working_set,
-             draft_intermediate=draft_intermediate)
+    p = plan(
+        json.loads((folder / "config.json").read_text()),
+        platform,
+        cuda,
+        dtype_bytes=dtype_bytes,
+        expert_type=expert_type,
+        positions=positions,
+        working_set_bytes=working_set,
+        draft_intermediate=draft_intermediate,
+    )
     free = None
     if cuda:
         free = torch.cuda.mem_get_info()[0]
@@ -102,10 +131,13 @@ def _fits(folder: Path, platform: str, cuda: bool, expert_type: str, positions: 
     warning = check_fits(p, host, free)
     bound = 0 if working_set else working_set_bound(p, host, free)
     if bound:
-        print("note: a round that stages new experts at every position could need "
-              f"{p['accelerator' if cuda else 'host'] / GIB:.1f} GiB; its working set is bounded to "
-              f"{bound / GIB:.1f} GiB so that it fits (past it the round reloads on demand; --working-set to "
-              "choose)", file=sys.stderr)
+        print(
+            "note: a round that stages new experts at every position could need "
+            f"{p['accelerator' if cuda else 'host'] / GIB:.1f} GiB; its working set is bounded to "
+            f"{bound / GIB:.1f} GiB so that it fits (past it the round reloads on demand; --working-set to "
+            "choose)",
+            file=sys.stderr,
+        )
     elif warning:
         print(f"warning: {warning}", file=sys.stderr)
     return working_set or bound
@@ -146,10 +178,16 @@ def make_llama_decoder(cell: Cell, folder: Path, expert_file: Callable[[str], Pa
             draft, meta = _draft_experts(cell.model, folder, cell.spec.draft_experts)
             if draft is None:
                 hf = load_config(folder)
-                draft = DraftExperts.zeros(list(range(hf.first_k_dense_replace, hf.num_hidden_layers)),
-                                           hf.hidden_size, hf.moe_intermediate_size)
-            drafter_head, used, name = llama_head_for(cell.model, folder, cell.expert_type, experts, draft,
-                                                      meta.get("sha256") or "zero"), None, cell.method
+                draft = DraftExperts.zeros(
+                    list(range(hf.first_k_dense_replace, hf.num_hidden_layers)),
+                    hf.hidden_size,
+                    hf.moe_intermediate_size,
+                )
+            drafter_head, used, name = (
+                llama_head_for(cell.model, folder, cell.expert_type, experts, draft, meta.get("sha256") or "zero"),
+                None,
+                cell.method,
+            )
         target = LlamaModel(target_head, n_ctx, threads, kv_type=kv)
         drafter = LlamaModel(drafter_head, n_ctx, threads, used_experts=used, tap_router_logits=True, kv_type=kv)
         engine = LlamaEngine(target, ExpertPages(experts), drafter, load_router(folder), name=name, staging=staging)
@@ -164,8 +202,9 @@ def make_decoder(cell: Cell, folder: Path, expert_file: Callable[[str], Path] | 
     if cell.method == "top-r":
         top_k = load_config(folder).num_experts_per_tok
         if not cell.spec.r < top_k:
-            raise CellError(f"--r: {cell.spec.r} must be below the target's top-k ({top_k}); r = {top_k} is the "
-                            "target itself")
+            raise CellError(
+                f"--r: {cell.spec.r} must be below the target's top-k ({top_k}); r = {top_k} is the target itself"
+            )
     if cell.engine == "llama.cpp":
         decoder, tokenizer, resolved = make_llama_decoder(cell, folder, expert_file, torch.get_num_threads())
     else:
@@ -177,22 +216,45 @@ def make_decoder(cell: Cell, folder: Path, expert_file: Callable[[str], Path] | 
 def _make_torch_decoder(cell: Cell, folder: Path, expert_file: Callable[[str], Path] | None):
     device, dtype = placement(cell.platform, cell.method, cell.device, cell.dtype)
     torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
-    experts, de_meta = (_draft_experts(cell.model, folder, cell.spec.draft_experts) if cell.method == "draftexpert"
-                        else (None, None))  # before the plan: the drafter's width is part of it
-    draft_intermediate = 0 if cell.method != "draftexpert" else experts.intermediate if experts is not None else \
-        json.loads((folder / "config.json").read_text())["moe_intermediate_size"]  # none: the zero draft expert
-    working_set = _fits(folder, cell.store if cell.store == "resident" else cell.platform, device == "cuda",
-                        cell.expert_type, cell.positions, torch_dtype.itemsize, cell.working_set,
-                        draft_intermediate)  # before anything is loaded
+    experts, de_meta = (
+        _draft_experts(cell.model, folder, cell.spec.draft_experts) if cell.method == "draftexpert" else (None, None)
+    )  # before the plan: the drafter's width is part of it
+    draft_intermediate = (
+        0
+        if cell.method != "draftexpert"
+        else experts.intermediate
+        if experts is not None
+        else json.loads((folder / "config.json").read_text())["moe_intermediate_size"]
+    )  # none: the zero draft expert
+    working_set = _fits(
+        folder,
+        cell.store if cell.store == "resident" else cell.platform,
+        device == "cuda",
+        cell.expert_type,
+        cell.positions,
+        torch_dtype.itemsize,
+        cell.working_set,
+        draft_intermediate,
+    )  # before anything is loaded
 
     tokenizer = _tokenizer(folder)
     if cell.method == "reference":
         return ReferenceDecoder(load_target(folder)[0]), tokenizer, Resolved()
     kernel = resolve_kernel(cell.expert_kernel, cell.expert_type if cell.from_file else None, device)
     gguf = expert_file(cell.expert_type) if cell.from_file else None
-    target = build_model(folder, cell.store, device=device, dtype=torch_dtype, gguf_path=gguf,
-                         cache_experts=cell.cache_experts, staging_budget_bytes=cell.staging_budget,
-                         working_set_bytes=working_set, staging=cell.staging, kernel=kernel, head_type=cell.head_type)
+    target = build_model(
+        folder,
+        cell.store,
+        device=device,
+        dtype=torch_dtype,
+        gguf_path=gguf,
+        cache_experts=cell.cache_experts,
+        staging_budget_bytes=cell.staging_budget,
+        working_set_bytes=working_set,
+        staging=cell.staging,
+        kernel=kernel,
+        head_type=cell.head_type,
+    )
     if cell.compile:
         target.compile_decode()
     if cell.method == "ar":

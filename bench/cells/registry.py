@@ -12,6 +12,7 @@ and the command that fetches the weights. The folder found must hold the model's
 (and, for the real models, the published checkpoint's dimensions): else `ModelMismatch` — a tiny
 folder is not `ds`, an ml-tiny folder not `ds-tiny`.
 """
+
 from __future__ import annotations
 
 import json
@@ -57,14 +58,32 @@ class ModelSpec:
 MODELS: dict[str, ModelSpec] = {
     m.name: m
     for m in [
-        ModelSpec("ds", "deepseek-ai/DeepSeek-V2-Lite", "DeepseekV2ForCausalLM",
-                  "DeepSeek-V2-Lite: 27 layers, 64 routed + 2 shared experts, top-6 softmax, MLA"),
-        ModelSpec("ml", "moonshotai/Moonlight-16B-A3B", "DeepseekV3ForCausalLM",
-                  "Moonlight-16B-A3B: 27 layers, 64 routed + 2 shared experts, top-6 sigmoid + bias"),
-        ModelSpec("ds-tiny", None, "DeepseekV2ForCausalLM",
-                  "embedded, trained here: ds's routing structure at small dims", embedded=True),
-        ModelSpec("ml-tiny", None, "DeepseekV3ForCausalLM",
-                  "embedded, trained here: ml's routing structure at small dims", embedded=True),
+        ModelSpec(
+            "ds",
+            "deepseek-ai/DeepSeek-V2-Lite",
+            "DeepseekV2ForCausalLM",
+            "DeepSeek-V2-Lite: 27 layers, 64 routed + 2 shared experts, top-6 softmax, MLA",
+        ),
+        ModelSpec(
+            "ml",
+            "moonshotai/Moonlight-16B-A3B",
+            "DeepseekV3ForCausalLM",
+            "Moonlight-16B-A3B: 27 layers, 64 routed + 2 shared experts, top-6 sigmoid + bias",
+        ),
+        ModelSpec(
+            "ds-tiny",
+            None,
+            "DeepseekV2ForCausalLM",
+            "embedded, trained here: ds's routing structure at small dims",
+            embedded=True,
+        ),
+        ModelSpec(
+            "ml-tiny",
+            None,
+            "DeepseekV3ForCausalLM",
+            "embedded, trained here: ml's routing structure at small dims",
+            embedded=True,
+        ),
     ]
 }
 
@@ -118,12 +137,16 @@ def candidates(spec: ModelSpec, model_path: str | os.PathLike | None = None) -> 
 
 def fetch_hint(spec: ModelSpec) -> str:
     if spec.embedded:
-        return (f"the embedded weights are committed in models/{spec.name}; restore them with "
-                f"`git checkout -- models/{spec.name}` or retrain with `bench model train --model {spec.name}`")
+        return (
+            f"the embedded weights are committed in models/{spec.name}; restore them with "
+            f"`git checkout -- models/{spec.name}` or retrain with `bench model train --model {spec.name}`"
+        )
     name = spec.hf_repo.split("/")[-1]
     dest = f"${ENV_VAR}/{name}" if os.environ.get(ENV_VAR) else f"~/models/{name}"
-    return (f"on a machine with network: `hf download {spec.hf_repo} --local-dir {dest}` "
-            f"(about 32 GB), then pass `--model-path {dest}` or set {ENV_VAR} to its parent folder")
+    return (
+        f"on a machine with network: `hf download {spec.hf_repo} --local-dir {dest}` "
+        f"(about 32 GB), then pass `--model-path {dest}` or set {ENV_VAR} to its parent folder"
+    )
 
 
 def resolve(name: str, model_path: str | os.PathLike | None = None) -> Path:
@@ -134,12 +157,22 @@ def resolve(name: str, model_path: str | os.PathLike | None = None) -> Path:
     spec = get(name)
     if model_path:
         folder = Path(model_path).expanduser()
-        problem = ("does not exist" if not folder.exists() else "is not a folder" if not folder.is_dir()
-                   else "is empty" if not any(folder.iterdir()) else "has no config.json"
-                   if not (folder / "config.json").is_file() else None)
+        problem = (
+            "does not exist"
+            if not folder.exists()
+            else "is not a folder"
+            if not folder.is_dir()
+            else "is empty"
+            if not any(folder.iterdir())
+            else "has no config.json"
+            if not (folder / "config.json").is_file()
+            else None
+        )
         if problem:
-            raise ModelNotFound(f"--model-path {folder} {problem}: it must be a Hugging Face model folder "
-                                f"(config.json, tokenizer, *.safetensors) of {name!r}. To get it: {fetch_hint(spec)}.")
+            raise ModelNotFound(
+                f"--model-path {folder} {problem}: it must be a Hugging Face model folder "
+                f"(config.json, tokenizer, *.safetensors) of {name!r}. To get it: {fetch_hint(spec)}."
+            )
         check_identity(spec, folder)
         return folder
     searched = candidates(spec, model_path)
@@ -148,13 +181,24 @@ def resolve(name: str, model_path: str | os.PathLike | None = None) -> Path:
             check_identity(spec, folder)
             return folder
     lines = "\n".join(f"  - {folder}  ({how})" for how, folder in searched)
-    raise ModelNotFound(f"model {name!r} ({spec.hf_repo or 'embedded'}) was not found. Looked in:\n{lines}\n"
-                        f"To get it: {fetch_hint(spec)}.")
+    raise ModelNotFound(
+        f"model {name!r} ({spec.hf_repo or 'embedded'}) was not found. Looked in:\n{lines}\n"
+        f"To get it: {fetch_hint(spec)}."
+    )
 
 
 # What must match between a real model's shipped facts and a checkpoint claiming to be it.
-IDENTITY_KEYS = ("num_hidden_layers", "hidden_size", "moe_intermediate_size", "n_routed_experts", "n_shared_experts",
-                 "num_experts_per_tok", "first_k_dense_replace", "kv_lora_rank", "vocab_size")
+IDENTITY_KEYS = (
+    "num_hidden_layers",
+    "hidden_size",
+    "moe_intermediate_size",
+    "n_routed_experts",
+    "n_shared_experts",
+    "num_experts_per_tok",
+    "first_k_dense_replace",
+    "kv_lora_rank",
+    "vocab_size",
+)
 
 
 def _architecture(cfg: dict) -> str | None:
@@ -223,9 +267,20 @@ def config_facts(name: str, model_path: str | os.PathLike | None = None) -> dict
         return json.loads((FACTS_DIR / f"{name}.json").read_text())
 
 
-ROUTING_KEYS = ("num_hidden_layers", "hidden_size", "moe_intermediate_size", "n_routed_experts", "n_shared_experts",
-                "num_experts_per_tok", "first_k_dense_replace", "q_lora_rank", "kv_lora_rank", "vocab_size",
-                "scoring_func", "topk_method")
+ROUTING_KEYS = (
+    "num_hidden_layers",
+    "hidden_size",
+    "moe_intermediate_size",
+    "n_routed_experts",
+    "n_shared_experts",
+    "num_experts_per_tok",
+    "first_k_dense_replace",
+    "q_lora_rank",
+    "kv_lora_rank",
+    "vocab_size",
+    "scoring_func",
+    "topk_method",
+)
 
 
 def describe(name: str, model_path: str | os.PathLike | None = None) -> dict:
@@ -240,8 +295,13 @@ def describe(name: str, model_path: str | os.PathLike | None = None) -> dict:
     facts = config_facts(name, model_path) if where else config_facts(name)
     scoring = facts.get("scoring_func") or ("sigmoid" if facts.get("model_type") == "deepseek_v3" else "softmax")
     return {
-        "name": spec.name, "hf_repo": spec.hf_repo, "architecture": spec.architecture,
-        "description": spec.description, "present": where is not None, "path": where, "not_it": note,
+        "name": spec.name,
+        "hf_repo": spec.hf_repo,
+        "architecture": spec.architecture,
+        "description": spec.description,
+        "present": where is not None,
+        "path": where,
+        "not_it": note,
         "searched": [f"{folder} ({how})" for how, folder in candidates(spec, model_path)],
         "config": {k: (scoring if k == "scoring_func" else facts.get(k)) for k in ROUTING_KEYS},
     }

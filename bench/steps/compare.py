@@ -4,6 +4,7 @@ table computed from the records (Spec-Bench style: metrics afterwards, never ins
 
 Metrics: `draftexpert.metrics`; the table: `paper_figs.spec_table`.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -54,9 +55,18 @@ SETS = {"table2": METHODS, "table4": POLICIES, "fig3": FOOTPRINT, "regime": METH
 REGIME_CELL = "regime-cell"  # one cap of the regime set (its methods; `compare` recurses with it)
 
 
-def compare(base: Cell, folder: Path, prompts: list[dict], out_dir: Path, expert_file, machine: dict | None,
-            labels: list[str] | None = None, log=print, method_set: str = "table2",
-            caps: list[int | None] | None = None) -> dict:
+def compare(
+    base: Cell,
+    folder: Path,
+    prompts: list[dict],
+    out_dir: Path,
+    expert_file,
+    machine: dict | None,
+    labels: list[str] | None = None,
+    log=print,
+    method_set: str = "table2",
+    caps: list[int | None] | None = None,
+) -> dict:
     """One set's methods through the runner, then one row per method from the records. Each method's
     cell is `base` with the set's overrides; `base.read_bw` caps the storage reads of every cell
     (`bench.runs.readcap`); the `regime` set repeats Table 2's methods under each of `caps` (default
@@ -67,8 +77,9 @@ def compare(base: Cell, folder: Path, prompts: list[dict], out_dir: Path, expert
         for cap in caps or REGIME_CAPS:
             log(f"=== read cap {cap / 1e6:.0f} MB/s" if cap else "=== uncapped")
             sub = out_dir / (f"cap-{cap // 10**6}MBps" if cap else "uncapped")
-            per_cap.append(compare(base.with_(read_bw=cap), folder, prompts, sub, expert_file, machine, labels, log,
-                                   REGIME_CELL))
+            per_cap.append(
+                compare(base.with_(read_bw=cap), folder, prompts, sub, expert_file, machine, labels, log, REGIME_CELL)
+            )
         return {"model": base.model, "platform": platform, "engine": base.engine, "set": "regime", "caps": per_cap}
     rows = {}
     for label, method, over in SETS["regime" if method_set == REGIME_CELL else method_set]:
@@ -81,9 +92,16 @@ def compare(base: Cell, folder: Path, prompts: list[dict], out_dir: Path, expert
         if cell_platform == platform:
             cell = base.with_(method=method, **over)
         else:  # mn's bound holds the expert file's experts on the CPU; cg's the checkpoint's, on cg's accelerator
-            cell = base.with_(method=method, platform=cell_platform, resident_from_file=platform == "mn",
-                              device=(base.device or "cuda") if platform == "cg" else None, working_set=0,
-                              cache_experts=0, staging_budget=0, **over)
+            cell = base.with_(
+                method=method,
+                platform=cell_platform,
+                resident_from_file=platform == "mn",
+                device=(base.device or "cuda") if platform == "cg" else None,
+                working_set=0,
+                cache_experts=0,
+                staging_budget=0,
+                **over,
+            )
         try:
             decoder, tokenizer, cfg = make_decoder(cell, folder, expert_file)
         except WontFit as e:
@@ -109,12 +127,24 @@ def compare(base: Cell, folder: Path, prompts: list[dict], out_dir: Path, expert
     for row in rows.values():
         row.update(metrics.relative(row, rows.get("ar")))
         row["physical_limit_tps"] = metrics.physical_limit_tps(row, bw) if row["platform"] != "resident" else None
-    same = {label: all(row["tokens"][p] == rows["ar"]["tokens"][p] for p in row["tokens"])
-            for label, row in rows.items() if "ar" in rows and label != "ar"}
-    return {"model": base.model, "platform": platform, "engine": base.engine, "set": method_set,
-            "expert_type": base.expert_type if platform == "mn" else None, "max_new_tokens": base.max_new_tokens,
-            "read_bw": read_bw, "limit_read_bw": bw, "spec": base.spec.as_dict(), "methods": rows,
-            "tokens_equal_ar": same}
+    same = {
+        label: all(row["tokens"][p] == rows["ar"]["tokens"][p] for p in row["tokens"])
+        for label, row in rows.items()
+        if "ar" in rows and label != "ar"
+    }
+    return {
+        "model": base.model,
+        "platform": platform,
+        "engine": base.engine,
+        "set": method_set,
+        "expert_type": base.expert_type if platform == "mn" else None,
+        "max_new_tokens": base.max_new_tokens,
+        "read_bw": read_bw,
+        "limit_read_bw": bw,
+        "spec": base.spec.as_dict(),
+        "methods": rows,
+        "tokens_equal_ar": same,
+    }
 
 
 def _measured_copy_in(machine: dict | None, device: str | None) -> float | None:

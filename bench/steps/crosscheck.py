@@ -10,6 +10,7 @@ A mismatch carries its margin in the torch run — the logit gap between the top
 the router-score gap between the k-th and (k+1)-th expert — so a near-tie (a numerical flip, not
 a bug) is told apart from a real disagreement.
 """
+
 from __future__ import annotations
 
 import sys
@@ -73,8 +74,14 @@ def _llama_run(lm, ids: list[int], n: int, eos: int | None):
     return tokens, routing
 
 
-def crosscheck(folder: Path, prompts: list[dict], head: Path, max_new_tokens: int = 32, threads: int = 1,
-               log: Callable[[str], None] = lambda m: print(m, file=sys.stderr)) -> dict:
+def crosscheck(
+    folder: Path,
+    prompts: list[dict],
+    head: Path,
+    max_new_tokens: int = 32,
+    threads: int = 1,
+    log: Callable[[str], None] = lambda m: print(m, file=sys.stderr),
+) -> dict:
     tok = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     model = build_model(folder, "resident")
     lm = LlamaModel(head, 2048, threads, kv_type="f32")  # the torch engine's cache is f32
@@ -92,13 +99,28 @@ def crosscheck(folder: Path, prompts: list[dict], head: Path, max_new_tokens: in
             for layer, experts in t_routing[pos].items():
                 if l_routing[pos].get(layer) != experts:
                     mismatches.append({"position": pos, "layer": layer, "router_gap": t_gaps[pos][layer]})
-        rows.append({"prompt_id": p["id"], "tokens": len(t_tokens), "tokens_equal": t_tokens == l_tokens,
-                     "first_divergence": div, "logit_gap_at_divergence": gaps[div] if div is not None else None,
-                     "positions_compared": same_inputs, "layer_positions": same_inputs * len(t_routing[0]),
-                     "expert_set_mismatches": len(mismatches), "mismatches": mismatches})
-        log(f"{p['id']}: tokens {'equal' if div is None else f'diverge at {div}'}, "
-            f"expert sets {same_inputs * len(t_routing[0]) - len(mismatches)}/{same_inputs * len(t_routing[0])} equal")
+        rows.append(
+            {
+                "prompt_id": p["id"],
+                "tokens": len(t_tokens),
+                "tokens_equal": t_tokens == l_tokens,
+                "first_divergence": div,
+                "logit_gap_at_divergence": gaps[div] if div is not None else None,
+                "positions_compared": same_inputs,
+                "layer_positions": same_inputs * len(t_routing[0]),
+                "expert_set_mismatches": len(mismatches),
+                "mismatches": mismatches,
+            }
+        )
+        log(
+            f"{p['id']}: tokens {'equal' if div is None else f'diverge at {div}'}, "
+            f"expert sets {same_inputs * len(t_routing[0]) - len(mismatches)}/{same_inputs * len(t_routing[0])} equal"
+        )
     lm.close()
-    return {"prompts": len(rows), "token_mismatches": sum(not r["tokens_equal"] for r in rows),
-            "layer_positions": sum(r["layer_positions"] for r in rows),
-            "expert_set_mismatches": sum(r["expert_set_mismatches"] for r in rows), "rows": rows}
+    return {
+        "prompts": len(rows),
+        "token_mismatches": sum(not r["tokens_equal"] for r in rows),
+        "layer_positions": sum(r["layer_positions"] for r in rows),
+        "expert_set_mismatches": sum(r["expert_set_mismatches"] for r in rows),
+        "rows": rows,
+    }

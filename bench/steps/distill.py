@@ -7,6 +7,7 @@ Where things go: `bench.cells.artifacts.experts_dir` (embedded models beside the
 under `work/draft_experts/<name>/`).
 Training state (resumable: the same options resume) lives in `work/distill/<name>-<preset>-<options hash>/`.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -97,14 +98,26 @@ def state_dir(model: str, folder: Path, cfg, kind: str, platform: str, expert_ty
     """Where a distillation's resumable state lives: keyed by the configuration *and* the target's
     weights, so that a retrained target never resumes (and silently finishes with) the draft experts
     of the target it replaced."""
-    key = hashlib.sha256(json.dumps({**asdict(cfg), "target": weights_fingerprint(folder)},
-                                    sort_keys=True).encode()).hexdigest()[:8]
+    key = hashlib.sha256(
+        json.dumps({**asdict(cfg), "target": weights_fingerprint(folder)}, sort_keys=True).encode()
+    ).hexdigest()[:8]
     suffix = "" if kind == "transformers" else f"-{platform}-{expert_type}" if platform == "mn" else f"-{platform}"
     return WORK / "distill" / f"{model}-{cfg.preset}-{key}{suffix}"
 
 
-def distill(model: str, folder: Path, cfg, out: Path | None, log, teacher: str = "auto", platform: str = "mn",
-            expert_type: str = "q4_0", device: str = "cpu", data=None, held_out: int = EVAL_WINDOWS) -> dict:
+def distill(
+    model: str,
+    folder: Path,
+    cfg,
+    out: Path | None,
+    log,
+    teacher: str = "auto",
+    platform: str = "mn",
+    expert_type: str = "q4_0",
+    device: str = "cpu",
+    data=None,
+    held_out: int = EVAL_WINDOWS,
+) -> dict:
     """Train, save the paired checkpoint with its history and loss curve. `data`: (train tokens,
     held-out tokens) instead of the corpus's splits in the model's tokenizer; `held_out`: windows
     of the validation split evaluated every `eval_every` steps and at the end."""
@@ -114,29 +127,46 @@ def distill(model: str, folder: Path, cfg, out: Path | None, log, teacher: str =
     plan = check_plan(folder, cfg, kind, platform, expert_type, device)
     train_data, val_data = data or token_splits(folder, log)
     windows = eval_windows(val_data, held_out, cfg.seq_len)
-    where = "transformers, whole model" if kind == "transformers" else f"the offload runtime on {platform}" + (
-        f" ({expert_type} expert file)" if platform == "mn" else "")
-    log(f"distilling {model}'s draft experts ({cfg.preset}) through {where}; planned "
-        f"{plan['distill_host'] / 2**30:.1f} GiB host" + (f", {plan['distill_accelerator'] / 2**30:.1f} GiB GPU"
-                                                         if plan["distill_accelerator"] else ""))
+    where = (
+        "transformers, whole model"
+        if kind == "transformers"
+        else f"the offload runtime on {platform}" + (f" ({expert_type} expert file)" if platform == "mn" else "")
+    )
+    log(
+        f"distilling {model}'s draft experts ({cfg.preset}) through {where}; planned "
+        f"{plan['distill_host'] / 2**30:.1f} GiB host"
+        + (f", {plan['distill_accelerator'] / 2**30:.1f} GiB GPU" if plan["distill_accelerator"] else "")
+    )
     t = make_teacher(model, folder, kind, platform, expert_type, device, log)
     t0 = time.perf_counter()
     try:
-        draft, history = train(t, train_data, windows, cfg, state_dir(model, folder, cfg, kind, platform, expert_type),
-                               log=log)
+        draft, history = train(
+            t, train_data, windows, cfg, state_dir(model, folder, cfg, kind, platform, expert_type), log=log
+        )
     finally:
         if kind == "runtime":
             t.model.experts.close()
     out = out or experts_dir(model, folder) / f"{cfg.preset}.safetensors"
     steps = [h for h in history if "loss" in h]
-    teacher_desc = {"kind": kind} | ({"platform": platform, "expert_type": expert_type if platform == "mn" else None,
-                                      "device": device} if kind == "runtime" else {})
-    meta = {"preset": cfg.preset, "config": asdict(cfg), "steps": len(steps), "teacher": teacher_desc,
-            "tokens": sum(h["tokens"] for h in steps), "train_seconds": sum(h["seconds"] for h in steps),
-            "command": f"bench distill --model {model} --preset {cfg.preset}" + (
-                f" --teacher runtime --platform {platform}"
-                + (f" --expert-type {expert_type}" if platform == "mn" else "")
-                if kind == "runtime" else "")}
+    teacher_desc = {"kind": kind} | (
+        {"platform": platform, "expert_type": expert_type if platform == "mn" else None, "device": device}
+        if kind == "runtime"
+        else {}
+    )
+    meta = {
+        "preset": cfg.preset,
+        "config": asdict(cfg),
+        "steps": len(steps),
+        "teacher": teacher_desc,
+        "tokens": sum(h["tokens"] for h in steps),
+        "train_seconds": sum(h["seconds"] for h in steps),
+        "command": f"bench distill --model {model} --preset {cfg.preset}"
+        + (
+            f" --teacher runtime --platform {platform}" + (f" --expert-type {expert_type}" if platform == "mn" else "")
+            if kind == "runtime"
+            else ""
+        ),
+    }
     save_draft_experts(out, draft.export(), folder, meta)
     with open(out.with_suffix(".history.jsonl"), "w") as f:
         for h in history:
@@ -163,8 +193,17 @@ def loss_curve(history: list[dict], path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def distill_eval(model: str, folder: Path, presets: list[str], prompts: list[dict], max_new_tokens: int,
-                 seq_len: int, log, held_out: int = EVAL_WINDOWS, files: dict[str, Path] | None = None) -> dict:
+def distill_eval(
+    model: str,
+    folder: Path,
+    presets: list[str],
+    prompts: list[dict],
+    max_new_tokens: int,
+    seq_len: int,
+    log,
+    held_out: int = EVAL_WINDOWS,
+    files: dict[str, Path] | None = None,
+) -> dict:
     """Table 5 per preset: KL, token agreement, router agreement on held-out windows; acceptance
     and prefetch hit rate of DraftExpert at K = 4 (no truncation, prefetch on, cold host store).
     `files`: rows for other checkpoints (row name → file), e.g. an ablation's, after the presets'."""
@@ -183,45 +222,67 @@ def distill_eval(model: str, folder: Path, presets: list[str], prompts: list[dic
         else:
             path = files.get(preset) or find_draft_experts(model, folder, preset)
             if path is None:
-                log(f"{preset}: no checkpoint in {experts_dir(model, folder)}; run `bench distill --model {model} "
-                    f"--preset {preset}`")
+                log(
+                    f"{preset}: no checkpoint in {experts_dir(model, folder)}; run `bench distill --model {model} "
+                    f"--preset {preset}`"
+                )
                 continue
             experts, meta = load_draft_experts(path, folder)
         module = DraftExpertModule(layers, lean.cfg.hidden, experts.intermediate, seed=0)
         module.load_experts(experts)
         row = evaluate(TransformersTeacher(hf), module, windows)
-        dec = SpeculativeDecoder(TorchEngine(lean, draftexpert(lean, experts)),
-                                 SpecConfig(k_max=4, truncate=False, prefetch=True))
-        outs = [(ids, dec.generate(ids, max_new_tokens, tok.eos_token_id))
-                for ids in (render_prompt(tok, p["prompt"]) for p in prompts)]
+        dec = SpeculativeDecoder(
+            TorchEngine(lean, draftexpert(lean, experts)), SpecConfig(k_max=4, truncate=False, prefetch=True)
+        )
+        outs = [
+            (ids, dec.generate(ids, max_new_tokens, tok.eos_token_id))
+            for ids in (render_prompt(tok, p["prompt"]) for p in prompts)
+        ]
         spec = metrics.aggregate([o.stats for _, o in outs])
         # exact decoding: every preset emits the target's greedy continuation, so each is read on the same tokens
-        row["continuations"] = evaluate_continuations(TransformersTeacher(hf), module,
-                                                      [(ids, o.tokens) for ids, o in outs])
-        row.update(acceptance_k4=spec["acceptance"], prefetch_hit_rate=spec["prefetch_hit_rate"],
-                   steps=meta.get("steps", 0), tokens=meta.get("tokens", 0),
-                   train_seconds=meta.get("train_seconds", 0.0))
+        row["continuations"] = evaluate_continuations(
+            TransformersTeacher(hf), module, [(ids, o.tokens) for ids, o in outs]
+        )
+        row.update(
+            acceptance_k4=spec["acceptance"],
+            prefetch_hit_rate=spec["prefetch_hit_rate"],
+            steps=meta.get("steps", 0),
+            tokens=meta.get("tokens", 0),
+            train_seconds=meta.get("train_seconds", 0.0),
+        )
         rows[preset] = row
-        log(f"{preset}: KL {row['kl']:.4f}, token agreement {row['token_agreement']:.3f}, router agreement "
+        log(
+            f"{preset}: KL {row['kl']:.4f}, token agreement {row['token_agreement']:.3f}, router agreement "
             f"{row['router_agreement']:.3f}, α(K=4) {row['acceptance_k4']:.3f}, prefetch hit "
-            f"{row['prefetch_hit_rate']:.3f}")
+            f"{row['prefetch_hit_rate']:.3f}"
+        )
     lean.experts.close()
-    return {"model": model, "held_out_windows": len(windows) * 4, "seq_len": seq_len, "prompts": len(prompts),
-            "max_new_tokens": max_new_tokens, "presets": rows}
+    return {
+        "model": model,
+        "held_out_windows": len(windows) * 4,
+        "seq_len": seq_len,
+        "prompts": len(prompts),
+        "max_new_tokens": max_new_tokens,
+        "presets": rows,
+    }
 
 
 def table(result: dict) -> str:
     """Table 5, with the paper's KL / acceptance / router agreement / prefetch hit for the real model
     of the same routing (`paper_figs.paper.TABLE5`) beside each row."""
     ref = paper.TABLE5.get(paper.real(result.get("model", "")), {})
-    lines = ["| preset | KL(target‖draft) | token agreement | router agreement | α at K=4 | prefetch hit | steps "
-             "| tokens | train s | paper KL / α / router / hit |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| preset | KL(target‖draft) | token agreement | router agreement | α at K=4 | prefetch hit | steps "
+        "| tokens | train s | paper KL / α / router / hit |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for p, r in result["presets"].items():
         q = ref.get(p)
-        lines.append(f"| {p} | {r['kl']:.4f} | {r['token_agreement']:.3f} | {r['router_agreement']:.3f} | "
-                     f"{r['acceptance_k4']:.3f} | {r['prefetch_hit_rate']:.3f} | {r['steps']} | {r['tokens']:,} | "
-                     f"{r['train_seconds']:.0f} | "
-                     + (f"{q[0]:.2f} / {q[1]:.3f} / {q[2]:.2f} / {q[3]:.2f}" if q else "–") + " |")
+        lines.append(
+            f"| {p} | {r['kl']:.4f} | {r['token_agreement']:.3f} | {r['router_agreement']:.3f} | "
+            f"{r['acceptance_k4']:.3f} | {r['prefetch_hit_rate']:.3f} | {r['steps']} | {r['tokens']:,} | "
+            f"{r['train_seconds']:.0f} | " + (f"{q[0]:.2f} / {q[1]:.3f} / {q[2]:.2f} / {q[3]:.2f}" if q else "–") + " |"
+        )
     return "\n".join(lines)
 
 
@@ -239,20 +300,31 @@ def margin_table(result: dict) -> str:
     def f(x: float) -> str:
         return "–" if x != x else f"{x:.3f}"  # NaN: no position in the bucket
 
-    lines = [f"Where the drafts disagree: the target's top-1 margin p(1st) − p(2nd), mean top-1 probability "
-             f"{first['target_top1_prob']:.3f} on held-out text and "
-             f"{first['continuations']['target_top1_prob']:.3f} on its own greedy continuations "
-             f"({first['continuations']['tokens']} positions); per margin bucket the share of positions and each "
-             "preset's token agreement, held-out / continuations.", "",
-             "| target margin | share | " + " | ".join(rows) + " |", "|---|---|" + "---|" * len(rows)]
+    lines = [
+        f"Where the drafts disagree: the target's top-1 margin p(1st) − p(2nd), mean top-1 probability "
+        f"{first['target_top1_prob']:.3f} on held-out text and "
+        f"{first['continuations']['target_top1_prob']:.3f} on its own greedy continuations "
+        f"({first['continuations']['tokens']} positions); per margin bucket the share of positions and each "
+        "preset's token agreement, held-out / continuations.",
+        "",
+        "| target margin | share | " + " | ".join(rows) + " |",
+        "|---|---|" + "---|" * len(rows),
+    ]
     for b in range(len(edges) - 1):
-        lines.append(f"| [{edges[b]:.2f}, {edges[b + 1]:.2f}) | {f(held['share'][b])} / {f(cont['share'][b])} | "
-                     + " | ".join(f"{f(r['by_target_margin']['token_agreement'][b])} / "
-                                  f"{f(r['continuations']['by_target_margin']['token_agreement'][b])}"
-                                  for r in rows.values()) + " |")
-    lines.append("| all | 1 / 1 | "
-                 + " | ".join(f"{r['token_agreement']:.3f} / {r['continuations']['token_agreement']:.3f}"
-                              for r in rows.values()) + " |")
+        lines.append(
+            f"| [{edges[b]:.2f}, {edges[b + 1]:.2f}) | {f(held['share'][b])} / {f(cont['share'][b])} | "
+            + " | ".join(
+                f"{f(r['by_target_margin']['token_agreement'][b])} / "
+                f"{f(r['continuations']['by_target_margin']['token_agreement'][b])}"
+                for r in rows.values()
+            )
+            + " |"
+        )
+    lines.append(
+        "| all | 1 / 1 | "
+        + " | ".join(f"{r['token_agreement']:.3f} / {r['continuations']['token_agreement']:.3f}" for r in rows.values())
+        + " |"
+    )
     return "\n".join(lines)
 
 
@@ -264,32 +336,47 @@ def report(result: dict) -> str:
 def write_card(model: str, folder: Path, result: dict) -> Path:
     """models/<m>/draft_experts/README.md: what was trained, how, and Table 5 on held-out data."""
     d = experts_dir(model, folder)
-    lines = [f"# Draft experts for `{model}`", "",
-             "One resident draft expert per MoE layer (an MLP of the routed experts' form, scaled by a learned γ_l), "
-             "self-distilled from the frozen target so that shared + top-1 + draft expert agrees with the full MoE "
-             "(Eq. 5–11; `draftexpert/training/distill.py`). Each checkpoint is paired with the target's weights "
-             "(sha256 in its metadata) and refused by any other target.", "",
-             "| preset | loss terms | steps | tokens | train wall s | file |", "|---|---|---|---|---|---|"]
+    lines = [
+        f"# Draft experts for `{model}`",
+        "",
+        "One resident draft expert per MoE layer (an MLP of the routed experts' form, scaled by a learned γ_l), "
+        "self-distilled from the frozen target so that shared + top-1 + draft expert agrees with the full MoE "
+        "(Eq. 5–11; `draftexpert/training/distill.py`). Each checkpoint is paired with the target's weights "
+        "(sha256 in its metadata) and refused by any other target.",
+        "",
+        "| preset | loss terms | steps | tokens | train wall s | file |",
+        "|---|---|---|---|---|---|",
+    ]
     for preset in PRESET_ORDER[1:]:
         p = d / f"{preset}.safetensors"
         if not p.exists():
             continue
         _, meta = load_draft_experts(p, folder)
-        lines.append(f"| {preset} | {', '.join(PRESETS[preset])} | {meta['steps']} | {meta['tokens']:,} | "
-                     f"{meta['train_seconds']:.0f} | `{p.name}` |")
+        lines.append(
+            f"| {preset} | {', '.join(PRESETS[preset])} | {meta['steps']} | {meta['tokens']:,} | "
+            f"{meta['train_seconds']:.0f} | `{p.name}` |"
+        )
     cfg = meta["config"]
-    lines += ["", f"Training: corpus training split (decontaminated against every evaluation prompt), teacher-forced "
-              f"windows of {cfg['seq_len']} tokens, batch {cfg['batch_size']}, AdamW lr {cfg['lr']} (warm-up "
-              f"{cfg['warmup']}, cosine to 10%), draft-expert width {cfg['intermediate']}, γ "
-              f"{'learned' if cfg['learn_gamma'] else 'fixed at 1'}, α = {cfg['alpha']}, β = {cfg['beta']}, "
-              f"η = {cfg['eta']}, T = {cfg['temperature']}, {cfg['threads']} thread(s), seed {cfg['seed']}. "
-              f"Reproduce: `bench distill --model {model} --preset <preset> --steps {cfg['steps']} --threads "
-              f"{cfg['threads']}`.", "",
-              "## Table 5 (`bench distill-eval --model " + model + " --card`)", "",
-              f"Held-out: {result['held_out_windows']} validation windows of {result['seq_len']} tokens; α and "
-              f"prefetch hit rate from DraftExpert at K = 4 (greedy, no truncation, prefetch on) on "
-              f"{result['prompts']} prompts of five suites, {result['max_new_tokens']} new tokens. `top1` is the "
-              "untrained (zero) draft expert, i.e. shared + top-1.", "", report(result), ""]
+    lines += [
+        "",
+        f"Training: corpus training split (decontaminated against every evaluation prompt), teacher-forced "
+        f"windows of {cfg['seq_len']} tokens, batch {cfg['batch_size']}, AdamW lr {cfg['lr']} (warm-up "
+        f"{cfg['warmup']}, cosine to 10%), draft-expert width {cfg['intermediate']}, γ "
+        f"{'learned' if cfg['learn_gamma'] else 'fixed at 1'}, α = {cfg['alpha']}, β = {cfg['beta']}, "
+        f"η = {cfg['eta']}, T = {cfg['temperature']}, {cfg['threads']} thread(s), seed {cfg['seed']}. "
+        f"Reproduce: `bench distill --model {model} --preset <preset> --steps {cfg['steps']} --threads "
+        f"{cfg['threads']}`.",
+        "",
+        "## Table 5 (`bench distill-eval --model " + model + " --card`)",
+        "",
+        f"Held-out: {result['held_out_windows']} validation windows of {result['seq_len']} tokens; α and "
+        f"prefetch hit rate from DraftExpert at K = 4 (greedy, no truncation, prefetch on) on "
+        f"{result['prompts']} prompts of five suites, {result['max_new_tokens']} new tokens. `top1` is the "
+        "untrained (zero) draft expert, i.e. shared + top-1.",
+        "",
+        report(result),
+        "",
+    ]
     for preset in PRESET_ORDER[1:]:
         if (d / f"{preset}.loss.png").exists():
             lines += [f"![{preset} loss]({preset}.loss.png)", ""]

@@ -8,6 +8,7 @@ are zero-shot (the embedded models' context is short) and otherwise follow lm-ev
 isolated Python process (10 s limit) — lm-eval's `unsafe_code`: `bench eval` asks for
 `--allow-code-execution`.
 """
+
 from __future__ import annotations
 
 import json
@@ -37,8 +38,9 @@ def gsm8k(**_):
     try:
         path = extract_member(GSM8K, SUITES["gsm8k"].member, offline=True)
     except SourceError as e:
-        raise SourceError(f"gsm8k_offline needs the GSM8K archive in the cache: {e} (run `bench prompts fetch` "
-                          "once while online)") from None
+        raise SourceError(
+            f"gsm8k_offline needs the GSM8K archive in the cache: {e} (run `bench prompts fetch` once while online)"
+        ) from None
     return _dataset([json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()])
 
 
@@ -53,8 +55,13 @@ def passes(code: str, tests: list[str], setup: str = "") -> bool:
     program = "\n".join([setup, code, *tests])
     with tempfile.TemporaryDirectory() as tmp:
         try:
-            p = subprocess.run([sys.executable, "-I", "-c", program], cwd=tmp, capture_output=True,
-                               timeout=CODE_TIMEOUT_S, stdin=subprocess.DEVNULL)
+            p = subprocess.run(
+                [sys.executable, "-I", "-c", program],
+                cwd=tmp,
+                capture_output=True,
+                timeout=CODE_TIMEOUT_S,
+                stdin=subprocess.DEVNULL,
+            )
         except subprocess.TimeoutExpired:
             return False
     return p.returncode == 0

@@ -20,6 +20,7 @@ llama.cpp. The contract checked:
   seeded run is reproducible). That the emitted tokens follow the target's distribution is a
   statistical property, proved by `tests/test_speculative.py` (χ² against the exact joint).
 """
+
 from __future__ import annotations
 
 import json
@@ -79,17 +80,28 @@ def draw(engine: str, seed: int, index: int) -> Case:
     platform = rng.choice(PLATFORMS[engine])
     method = rng.choices(["ar", "top-r", "draftexpert"], weights=[1, 2, 3])[0]
     presets = sorted(p.name for p in (folder / "draft_experts").glob("*.safetensors"))
-    c = dict(index=index, model=model, engine=engine, platform=platform, method=method,
-             expert_type=rng.choice(EXPERT_TYPES[engine]) if (engine == "llama.cpp" or platform == "mn") else "q4_0",
-             max_new_tokens=rng.randint(1, 40))
+    c = dict(
+        index=index,
+        model=model,
+        engine=engine,
+        platform=platform,
+        method=method,
+        expert_type=rng.choice(EXPERT_TYPES[engine]) if (engine == "llama.cpp" or platform == "mn") else "q4_0",
+        max_new_tokens=rng.randint(1, 40),
+    )
     if method == "top-r":
         c["r"] = rng.randint(1, top_k - 1)
     if method == "draftexpert":
         c["draft_experts"] = rng.choice([None, "zero", *presets])
     if method != "ar":
-        c.update(k_max=rng.randint(1, 8), tau=rng.choice([0.0, 1.0, round(rng.random(), 3)]),
-                 budget=rng.choice([0, 1, 6, 24, 48, 1000]), budget_mode=rng.choice(["fixed", "cache"]),
-                 truncate=rng.random() < 0.7, prefetch=rng.random() < 0.7)
+        c.update(
+            k_max=rng.randint(1, 8),
+            tau=rng.choice([0.0, 1.0, round(rng.random(), 3)]),
+            budget=rng.choice([0, 1, 6, 24, 48, 1000]),
+            budget_mode=rng.choice(["fixed", "cache"]),
+            truncate=rng.random() < 0.7,
+            prefetch=rng.random() < 0.7,
+        )
         if engine == "torch":
             c["draft_cache"] = rng.choice(["shared", "own"])
     if engine == "torch" and platform != "resident":
@@ -120,16 +132,32 @@ class Campaign:
         self._plain: dict[tuple, list[int]] = {}
         self._prompts = {p["id"]: p["prompt"] for s in prompts.SUITES for p in prompts.load(s)}
 
-    def _decoder(self, case: Case, method: str, platform: str, cache_experts: int, spec: SpecOptions | None = None,
-                 resident_from_file: bool = False):
+    def _decoder(
+        self,
+        case: Case,
+        method: str,
+        platform: str,
+        cache_experts: int,
+        spec: SpecOptions | None = None,
+        resident_from_file: bool = False,
+    ):
         folder = registry.resolve(case.model)
-        cell = Cell(model=case.model, method=method, platform=platform, engine=case.engine,
-                    expert_type=case.expert_type, max_new_tokens=case.max_new_tokens,
-                    temperature=case.temperature, seed=case.seed, cache_experts=cache_experts,
-                    staging=case.staging if case.engine == "llama.cpp" else "demand",
-                    resident_from_file=resident_from_file,
-                    device=available_device(platform) if case.engine == "torch" else None,
-                    head_type=case.head_type, spec=spec or SpecOptions())
+        cell = Cell(
+            model=case.model,
+            method=method,
+            platform=platform,
+            engine=case.engine,
+            expert_type=case.expert_type,
+            max_new_tokens=case.max_new_tokens,
+            temperature=case.temperature,
+            seed=case.seed,
+            cache_experts=cache_experts,
+            staging=case.staging if case.engine == "llama.cpp" else "demand",
+            resident_from_file=resident_from_file,
+            device=available_device(platform) if case.engine == "torch" else None,
+            head_type=case.head_type,
+            spec=spec or SpecOptions(),
+        )
         return make_decoder(cell, folder, lambda qt: self.expert_file(case.model, folder, qt))
 
     def prompt_ids(self, case: Case, tokenizer) -> list[int]:
@@ -138,8 +166,16 @@ class Campaign:
     def plain(self, case: Case, ids: list[int]) -> list[int]:
         """AR with every expert resident, on the weights the case's decoder computes with."""
         from_file = case.engine == "llama.cpp" or case.platform == "mn"
-        key = (case.model, case.engine, case.expert_type if from_file else "checkpoint", case.head_type, tuple(ids),
-               case.max_new_tokens, case.temperature, case.seed)
+        key = (
+            case.model,
+            case.engine,
+            case.expert_type if from_file else "checkpoint",
+            case.head_type,
+            tuple(ids),
+            case.max_new_tokens,
+            case.temperature,
+            case.seed,
+        )
         if key not in self._plain:
             dec, tok, _ = self._decoder(case, "ar", "resident", 0, resident_from_file=from_file)
             try:
@@ -150,16 +186,28 @@ class Campaign:
 
     def check(self, case: Case) -> dict:
         """{"ok", "tokens", "plain", "why"} for one case."""
-        spec = SpecOptions(r=case.r, draft_experts=self._draft_file(case),
-                           round=SpecConfig(k_max=case.k_max, tau=case.tau, budget=case.budget,
-                                            budget_mode=case.budget_mode, truncate=case.truncate,
-                                            prefetch=case.prefetch, draft_cache=case.draft_cache))
+        spec = SpecOptions(
+            r=case.r,
+            draft_experts=self._draft_file(case),
+            round=SpecConfig(
+                k_max=case.k_max,
+                tau=case.tau,
+                budget=case.budget,
+                budget_mode=case.budget_mode,
+                truncate=case.truncate,
+                prefetch=case.prefetch,
+                draft_cache=case.draft_cache,
+            ),
+        )
         dec, tok, _ = self._decoder(case, case.method, case.platform, case.cache_experts, spec)
         try:
             ids = self.prompt_ids(case, tok)
             out = dec.generate(ids, case.max_new_tokens, tok.eos_token_id).tokens
-            again = dec.generate(ids, case.max_new_tokens, tok.eos_token_id).tokens \
-                if case.temperature > 0 and case.method != "ar" else out
+            again = (
+                dec.generate(ids, case.max_new_tokens, tok.eos_token_id).tokens
+                if case.temperature > 0 and case.method != "ar"
+                else out
+            )
         finally:
             dec.close()
         plain = self.plain(case, ids)
@@ -205,5 +253,11 @@ def run(engine: str, cases: int, seed: int, only: int | None, expert_file, log, 
     finally:
         if sink:
             sink.close()
-    return {"engine": engine, "seed": seed, "cases": n, "mismatches": len(mismatches), "failures": mismatches,
-            "wall_s": round(time.perf_counter() - t0, 1)}
+    return {
+        "engine": engine,
+        "seed": seed,
+        "cases": n,
+        "mismatches": len(mismatches),
+        "failures": mismatches,
+        "wall_s": round(time.perf_counter() - t0, 1),
+    }

@@ -31,6 +31,7 @@ already written are skipped, a torn last line is repaired, and the folder's writ
 an attempt that is still alive from writing beside its retry — every cell key lands exactly once.
 Without `--ray` the same tasks run one after another in this process, with the same records.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -86,9 +87,18 @@ class Task:
 
     def cell(self) -> Cell:
         """The task's cell (checked: a grid that names a bad combination fails before any task runs)."""
-        return Cell(model=self.model, method=self.method, platform=self.platform, engine=self.engine,
-                    expert_type=self.expert_type, max_new_tokens=self.max_new_tokens, device=self.device,
-                    dtype=self.dtype, head_type=self.head_type, spec=SpecOptions().with_(**self.settings))
+        return Cell(
+            model=self.model,
+            method=self.method,
+            platform=self.platform,
+            engine=self.engine,
+            expert_type=self.expert_type,
+            max_new_tokens=self.max_new_tokens,
+            device=self.device,
+            dtype=self.dtype,
+            head_type=self.head_type,
+            spec=SpecOptions().with_(**self.settings),
+        )
 
     @property
     def label(self) -> str:
@@ -100,8 +110,12 @@ class Task:
     @property
     def folder(self) -> Path:
         typed = self.platform == "mn" or self.engine == "llama.cpp"  # where the expert file's type is the model
-        return Path(self.model) / (f"{self.platform}-{self.engine}" + (f"-{self.expert_type}" if typed else "")) / \
-            self.label / f"shard-{self.shard}of{self.shards}"
+        return (
+            Path(self.model)
+            / (f"{self.platform}-{self.engine}" + (f"-{self.expert_type}" if typed else ""))
+            / self.label
+            / f"shard-{self.shard}of{self.shards}"
+        )
 
 
 def _list(v) -> list:
@@ -121,13 +135,25 @@ def read_grid(path: Path) -> tuple[list[Task], dict]:
         raise GridError(f"{path}: unknown section or key {key!r} (known: {', '.join(sorted(SECTIONS))})")
     grid, settings = doc.get("grid", {}), doc.get("settings", {})
     pr, dec, ray = doc.get("prompts", {}), doc.get("decode", {}), doc.get("ray", {})
-    for name, section, known in (("grid", grid, GRID_KEYS), ("settings", settings, set(SETTINGS)),
-                                 ("prompts", pr, {"suite", "file", "limit", "shards"}),
-                                 ("decode", dec, {"max_new_tokens"}), ("ray", ray, {"gpus_per_cg_cell", "resources"})):
+    for name, section, known in (
+        ("grid", grid, GRID_KEYS),
+        ("settings", settings, set(SETTINGS)),
+        ("prompts", pr, {"suite", "file", "limit", "shards"}),
+        ("decode", dec, {"max_new_tokens"}),
+        ("ray", ray, {"gpus_per_cg_cell", "resources"}),
+    ):
         for key in set(section) - known:
             raise GridError(f"{path}: [{name}] {key}: unknown key (known: {', '.join(sorted(known))})")
-    axes = {k: _list(grid.get(k, d)) for k, d in (("model", "ds-tiny"), ("platform", "mn"), ("engine", "torch"),
-                                                   ("method", "ar"), ("expert_type", "q4_0"))}
+    axes = {
+        k: _list(grid.get(k, d))
+        for k, d in (
+            ("model", "ds-tiny"),
+            ("platform", "mn"),
+            ("engine", "torch"),
+            ("method", "ar"),
+            ("expert_type", "q4_0"),
+        )
+    }
     for key, allowed in (("platform", PLATFORMS), ("engine", ENGINES), ("method", METHODS), ("expert_type", TYPES)):
         bad = [v for v in axes[key] if v not in allowed]
         if bad:
@@ -153,23 +179,38 @@ def read_grid(path: Path) -> tuple[list[Task], dict]:
     tasks = []
     for model, platform, engine, method, qtype in itertools.product(*axes.values()):
         if engine == "llama.cpp" and (platform == "cg" or method == "reference"):
-            raise GridError(f"{path}: [grid] engine llama.cpp runs platforms mn and resident and methods ar, top-r, "
-                            f"draftexpert: remove {platform if platform == 'cg' else method} or the engine")
+            raise GridError(
+                f"{path}: [grid] engine llama.cpp runs platforms mn and resident and methods ar, top-r, "
+                f"draftexpert: remove {platform if platform == 'cg' else method} or the engine"
+            )
         keys = [k for k in SETTINGS if k in settings and method in SPEC_METHODS and (k != "r" or method == "top-r")]
         if method == "top-r" and "r" not in keys:
             keys.append("r")
         values = [_list(settings.get(k, 1)) for k in keys]  # r defaults to 1; others are always given here
         for combo in itertools.product(*values):
             for shard in range(shards):
-                tasks.append(Task(model=model, platform=platform, engine=engine, method=method, expert_type=qtype,
-                                  settings=dict(zip(keys, combo)), shard=shard, shards=shards, suites=suites,
-                                  prompts_file=file, limit=pr.get("limit"),
-                                  max_new_tokens=int(dec.get("max_new_tokens", 64)), model_path=grid.get("model_path"),
-                                  device=grid.get("device") if platform == "cg" else None,
-                                  dtype=grid.get("dtype", "fp32") if engine == "torch" else "fp32",
-                                  head_type=grid.get("head_type", "checkpoint") if engine == "torch" else "checkpoint",
-                                  resources=ray.get("resources", {}).get(platform, {}),
-                                  gpus=float(ray.get("gpus_per_cg_cell", 1)) if platform == "cg" else 0))
+                tasks.append(
+                    Task(
+                        model=model,
+                        platform=platform,
+                        engine=engine,
+                        method=method,
+                        expert_type=qtype,
+                        settings=dict(zip(keys, combo)),
+                        shard=shard,
+                        shards=shards,
+                        suites=suites,
+                        prompts_file=file,
+                        limit=pr.get("limit"),
+                        max_new_tokens=int(dec.get("max_new_tokens", 64)),
+                        model_path=grid.get("model_path"),
+                        device=grid.get("device") if platform == "cg" else None,
+                        dtype=grid.get("dtype", "fp32") if engine == "torch" else "fp32",
+                        head_type=grid.get("head_type", "checkpoint") if engine == "torch" else "checkpoint",
+                        resources=ray.get("resources", {}).get(platform, {}),
+                        gpus=float(ray.get("gpus_per_cg_cell", 1)) if platform == "cg" else 0,
+                    )
+                )
     for task in tasks:
         try:
             task.cell()
@@ -180,27 +221,38 @@ def read_grid(path: Path) -> tuple[list[Task], dict]:
 
 def task_prompts(task: Task) -> list[dict]:
     """The task's shard of the grid's prompts (every shards-th, from its index)."""
-    recs = (prompts.read_prompt_file(Path(task.prompts_file), task.limit) if task.prompts_file
-            else [p for s in task.suites for p in prompts.load(s, task.limit)])
-    return recs[task.shard::task.shards]
+    recs = (
+        prompts.read_prompt_file(Path(task.prompts_file), task.limit)
+        if task.prompts_file
+        else [p for s in task.suites for p in prompts.load(s, task.limit)]
+    )
+    return recs[task.shard :: task.shards]
 
 
 def run_task(task: Task, out_dir: Path, log: Callable[[str], None] | None = None) -> dict:
     """One task, here: decoder built, its shard decoded into its folder (resuming), decoder closed."""
     log = log or (lambda m: print(f"[{task.folder}] {m}", file=sys.stderr, flush=True))
     folder = registry.resolve(task.model, task.model_path)
-    decoder, tokenizer, cfg = make_decoder(task.cell(), folder,
-                                           lambda qt: expert_file_for(task.model, folder, qt, log=log))
+    decoder, tokenizer, cfg = make_decoder(
+        task.cell(), folder, lambda qt: expert_file_for(task.model, folder, qt, log=log)
+    )
     try:
-        summary = run_cells(cfg, task_prompts(task), decoder, tokenizer, out_dir / task.folder, log=log,
-                            run_name=str(task.folder))
+        summary = run_cells(
+            cfg, task_prompts(task), decoder, tokenizer, out_dir / task.folder, log=log, run_name=str(task.folder)
+        )
     finally:
         decoder.close()
     return {"task": str(task.folder), **{k: summary[k] for k in ("config_hash", "written", "skipped")}}
 
 
-def run_sweep(tasks: list[Task], out_dir: Path, ray_address: str | None = None, use_ray: bool = False,
-              max_retries: int = 3, log: Callable[[str], None] = lambda m: print(m, file=sys.stderr)) -> list[dict]:
+def run_sweep(
+    tasks: list[Task],
+    out_dir: Path,
+    ray_address: str | None = None,
+    use_ray: bool = False,
+    max_retries: int = 3,
+    log: Callable[[str], None] = lambda m: print(m, file=sys.stderr),
+) -> list[dict]:
     """Every task, in-process (in order) or as Ray tasks (`ray_address`: None starts or joins a local
     runtime as `ray.init` does); returns one summary per task, in the tasks' order."""
     out_dir = Path(out_dir)
@@ -219,8 +271,12 @@ def run_sweep(tasks: list[Task], out_dir: Path, ray_address: str | None = None, 
     if not ray.is_initialized():
         ray.init(address=ray_address, log_to_driver=True)
     remote = ray.remote(run_task)  # a worker death is retried (max_retries); an exception in the task is not
-    refs = [remote.options(num_cpus=1, num_gpus=t.gpus, resources=t.resources or None, max_retries=max_retries,
-                           name=str(t.folder)).remote(t, out_dir) for t in tasks]
+    refs = [
+        remote.options(
+            num_cpus=1, num_gpus=t.gpus, resources=t.resources or None, max_retries=max_retries, name=str(t.folder)
+        ).remote(t, out_dir)
+        for t in tasks
+    ]
     progress = Progress(len(refs), "sweep (ray)", log)
     by_ref, results = {r: i for i, r in enumerate(refs)}, [None] * len(refs)
     pending = list(refs)
@@ -229,8 +285,9 @@ def run_sweep(tasks: list[Task], out_dir: Path, ray_address: str | None = None, 
             ready, pending = ray.wait(pending, num_returns=1)
             i = by_ref[ready[0]]
             results[i] = ray.get(ready[0])
-            progress.done(f"{tasks[i].folder}: {results[i]['written']} written, {results[i]['skipped']} already done",
-                          0, 0.0)
+            progress.done(
+                f"{tasks[i].folder}: {results[i]['written']} written, {results[i]['skipped']} already done", 0, 0.0
+            )
     finally:
         progress.close()
     return results
@@ -249,6 +306,13 @@ def cells_table(records: list[dict]) -> list[dict]:
     rows = []
     for h, recs in by_cell.items():
         agg, first = metrics.aggregate(recs), recs[0]
-        rows.append({"cell": first["run"].rsplit("/shard-", 1)[0], "config_hash": h, "prompts": len(recs),
-                     "decode_tps": agg.get("decode_tps"), "acceptance": agg.get("acceptance")})
+        rows.append(
+            {
+                "cell": first["run"].rsplit("/shard-", 1)[0],
+                "config_hash": h,
+                "prompts": len(recs),
+                "decode_tps": agg.get("decode_tps"),
+                "acceptance": agg.get("acceptance"),
+            }
+        )
     return sorted(rows, key=lambda r: r["cell"])

@@ -4,6 +4,7 @@ Each step is a bench command whose JSON lands in results/, followed by the paper
 that turns it into a table / figure. Steps whose capability has not landed yet are listed as
 pending, never faked.
 """
+
 from __future__ import annotations
 
 import json
@@ -44,8 +45,11 @@ from paper_figs import captions, fig1a, fig1b
 
 # What the paper has that this checkout cannot regenerate on a machine without a GPU, and what brings it.
 PENDING_WITHOUT_GPU = [
-    ("Table 2 cg rows", "a CUDA GPU (`make reproduce` runs them when torch sees one); on a CPU, `bench compare "
-                        "--platform cg --device cpu` runs them with the CPU as the accelerator"),
+    (
+        "Table 2 cg rows",
+        "a CUDA GPU (`make reproduce` runs them when torch sees one); on a CPU, `bench compare "
+        "--platform cg --device cpu` runs them with the CPU as the accelerator",
+    ),
 ]
 
 
@@ -67,8 +71,14 @@ def fig1b_runs(results_dir: Path, log, per_suite: int = FIG1B_PER_SUITE, tokens:
     machine = collect(expert_storage(), keep_probe=True)
     cells = set()
     for platform, qtype in FIG1B_CELLS:
-        cell = Cell(model=FIG1B_MODEL, method="ar", platform=platform, expert_type=qtype, max_new_tokens=tokens,
-                    device=available_device(platform))
+        cell = Cell(
+            model=FIG1B_MODEL,
+            method="ar",
+            platform=platform,
+            expert_type=qtype,
+            max_new_tokens=tokens,
+            device=available_device(platform),
+        )
         decoder, tok, cfg = make_decoder(cell, folder, lambda qt: expert_file_for(FIG1B_MODEL, folder, qt, log=log))
         name = f"fig1b-{FIG1B_MODEL}-{platform}" + (f"-{qtype}" if platform == "mn" else "")
         cells.add(run_cells(cfg, recs, decoder, tok, runs / name, machine=machine, log=log)["config_hash"])
@@ -76,33 +86,68 @@ def fig1b_runs(results_dir: Path, log, per_suite: int = FIG1B_PER_SUITE, tokens:
     fig1b_dirs = sorted(p.name for p in runs.iterdir() if p.name.startswith("fig1b-"))
     b = fig1b.breakdown(load_results(*[runs / d for d in fig1b_dirs]), config_hashes=cells)
     (results_dir / "fig1b_breakdown.md").write_text(fig1b.table(b))
-    figs = fig1b.figure(b, results_dir / "figures" / "fig1b_breakdown",
-                        f"results/runs/fig1b-{FIG1B_MODEL}-*, machine {machine['machine_id']}")
-    return ["results/runs/fig1b-*", "results/fig1b_breakdown.md",
-            *[str(p.relative_to(results_dir.parent)) for p in figs]]
+    figs = fig1b.figure(
+        b,
+        results_dir / "figures" / "fig1b_breakdown",
+        f"results/runs/fig1b-{FIG1B_MODEL}-*, machine {machine['machine_id']}",
+    )
+    return [
+        "results/runs/fig1b-*",
+        "results/fig1b_breakdown.md",
+        *[str(p.relative_to(results_dir.parent)) for p in figs],
+    ]
 
 
-def _compare_set(results_dir: Path, log, model: str, per_suite: int, tokens: int, method_set: str,
-                   engine: str = "torch", platform: str = "mn", device: str | None = None) -> dict:
+def _compare_set(
+    results_dir: Path,
+    log,
+    model: str,
+    per_suite: int,
+    tokens: int,
+    method_set: str,
+    engine: str = "torch",
+    platform: str = "mn",
+    device: str | None = None,
+) -> dict:
     """One `bench compare` set for a tiny model on mn (Q4_0, the library's default round settings; resumable),
     its per-prompt tokens dropped from the result; `platform` cg moves the checkpoint's experts from
     host memory to `device` instead (the same round settings)."""
     torch.set_num_threads(FIG1B_THREADS)
     folder = registry.resolve(model)
     tag = "-llama.cpp" if engine == "llama.cpp" else ""
-    res = compare(Cell(model=model, method="draftexpert", platform=platform, engine=engine, expert_type="q4_0",
-                       max_new_tokens=tokens, device=device), folder, prompts.load(limit=per_suite),
-                  results_dir / "runs" / f"compare-{model}-{platform}{tag}",
-                  lambda qt: expert_file_for(model, folder, qt, log=log), collect(expert_storage(), keep_probe=True),
-                  log=log, method_set=method_set)
+    res = compare(
+        Cell(
+            model=model,
+            method="draftexpert",
+            platform=platform,
+            engine=engine,
+            expert_type="q4_0",
+            max_new_tokens=tokens,
+            device=device,
+        ),
+        folder,
+        prompts.load(limit=per_suite),
+        results_dir / "runs" / f"compare-{model}-{platform}{tag}",
+        lambda qt: expert_file_for(model, folder, qt, log=log),
+        collect(expert_storage(), keep_probe=True),
+        log=log,
+        method_set=method_set,
+    )
     for row in res["methods"].values():
         row.pop("tokens")
     return res
 
 
-def spec_compare(results_dir: Path, log, per_suite: int = FIG1B_PER_SUITE, tokens: int = FIG1B_TOKENS,
-                 engine: str = "torch", models: tuple[str, ...] = TINY_MODELS, platform: str = "mn",
-                 device: str | None = None) -> list[str]:
+def spec_compare(
+    results_dir: Path,
+    log,
+    per_suite: int = FIG1B_PER_SUITE,
+    tokens: int = FIG1B_TOKENS,
+    engine: str = "torch",
+    models: tuple[str, ...] = TINY_MODELS,
+    platform: str = "mn",
+    device: str | None = None,
+) -> list[str]:
     """Table 2 / 3: AR vs top-1/2/3 vs DraftExpert for each tiny model (resumable). mn: Q4_0, on the
     torch engine or llama.cpp (the same prompts, expert file and method settings); cg: the checkpoint's
     experts in host memory, copied to `device` on demand (fp32 compute), beside every expert resident on
@@ -112,14 +157,19 @@ def spec_compare(results_dir: Path, log, per_suite: int = FIG1B_PER_SUITE, token
     engine_tag = "_llama.cpp" if engine == "llama.cpp" else ""
     tag = engine_tag + ("_cpu" if platform == "cg" and device == "cpu" else "")
     for model in models:
-        res = _compare_set(results_dir, log, model, per_suite, tokens, "table2", engine=engine, platform=platform,
-                           device=device)
+        res = _compare_set(
+            results_dir, log, model, per_suite, tokens, "table2", engine=engine, platform=platform, device=device
+        )
         name = f"spec_compare_{model}_{platform}{tag}"
         write_json_atomic(results_dir / f"{name}.json", res)
         (results_dir / f"{name}.md").write_text(
-            captions.spec_compare_page(res, per_suite, tokens, FIG1B_THREADS, device))
-        written += [f"results/runs/compare-{model}-{platform}{engine_tag.replace('_', '-')}/*", f"results/{name}.md",
-                    f"results/{name}.json"]
+            captions.spec_compare_page(res, per_suite, tokens, FIG1B_THREADS, device)
+        )
+        written += [
+            f"results/runs/compare-{model}-{platform}{engine_tag.replace('_', '-')}/*",
+            f"results/{name}.md",
+            f"results/{name}.json",
+        ]
     return written
 
 
@@ -139,9 +189,11 @@ def fig2(results_dir: Path, log, models: tuple[str, ...] = TINY_MODELS) -> list[
         runs.append(f"results/runs/compare-{model}-mn")
     machine = _machine_id(results_dir)
     (results_dir / "fig2_tradeoff.md").write_text(
-        captions.fig2_page({m: paper_figs.fig2.table(p) for m, p in per_model.items()}, runs))
-    figs = paper_figs.fig2.figure(per_model, results_dir / "figures" / "fig2_tradeoff",
-                                  f"{', '.join(runs)}; machine {machine}")
+        captions.fig2_page({m: paper_figs.fig2.table(p) for m, p in per_model.items()}, runs)
+    )
+    figs = paper_figs.fig2.figure(
+        per_model, results_dir / "figures" / "fig2_tradeoff", f"{', '.join(runs)}; machine {machine}"
+    )
     log("Fig. 2 written")
     return ["results/fig2_tradeoff.md", *[str(p.relative_to(results_dir.parent)) for p in figs]]
 
@@ -150,13 +202,15 @@ def table1(results_dir: Path, log) -> list[str]:
     """Table 1 from the machine records of every run under results/runs, the paper's two platforms beside."""
     manifests = [json.loads(p.read_text()) for p in sorted((results_dir / "runs").rglob("manifest.json"))]
     (results_dir / "table1_platforms.md").write_text(
-        captions.table1_page(len(manifests), paper_figs.table1.table(paper_figs.table1.columns(manifests))))
+        captions.table1_page(len(manifests), paper_figs.table1.table(paper_figs.table1.columns(manifests)))
+    )
     log("Table 1 written")
     return ["results/table1_platforms.md"]
 
 
-def crosscheck(results_dir: Path, log, per_suite: int | None = None, tokens: int = 32,
-               models: tuple[str, ...] = TINY_MODELS) -> list[str]:
+def crosscheck(
+    results_dir: Path, log, per_suite: int | None = None, tokens: int = 32, models: tuple[str, ...] = TINY_MODELS
+) -> list[str]:
     """llama.cpp (f32) vs the torch engine on every prompt of the suites: tokens and expert sets."""
     torch.set_num_threads(FIG1B_THREADS)
     written = []
@@ -170,16 +224,23 @@ def crosscheck(results_dir: Path, log, per_suite: int | None = None, tokens: int
     return written
 
 
-def table4(results_dir: Path, log, per_suite: int = FIG1B_PER_SUITE, tokens: int = FIG1B_TOKENS,
-           engine: str = "torch", models: tuple[str, ...] = TINY_MODELS) -> list[str]:
+def table4(
+    results_dir: Path,
+    log,
+    per_suite: int = FIG1B_PER_SUITE,
+    tokens: int = FIG1B_TOKENS,
+    engine: str = "torch",
+    models: tuple[str, ...] = TINY_MODELS,
+) -> list[str]:
     """Table 4 on mn: DraftExpert with fixed K, confidence–expansion truncation, and + prefetch."""
     written = []
     tag = "_llama.cpp" if engine == "llama.cpp" else ""
     for model in models:
         res = _compare_set(results_dir, log, model, per_suite, tokens, "table4", engine=engine)
         write_json_atomic(results_dir / f"table4_{model}_mn{tag}.json", res)
-        (results_dir / f"table4_{model}_mn{tag}.md").write_text(captions.table4_page(res, per_suite, tokens,
-                                                                                     FIG1B_THREADS))
+        (results_dir / f"table4_{model}_mn{tag}.md").write_text(
+            captions.table4_page(res, per_suite, tokens, FIG1B_THREADS)
+        )
         written += [f"results/table4_{model}_mn{tag}.md", f"results/table4_{model}_mn{tag}.json"]
     return written
 
@@ -187,8 +248,13 @@ def table4(results_dir: Path, log, per_suite: int = FIG1B_PER_SUITE, tokens: int
 ENGINES_ROUNDS = 3
 
 
-def engines(results_dir: Path, log, tokens: int = FIG1B_TOKENS, models: tuple[str, ...] = TINY_MODELS,
-            rounds: int = ENGINES_ROUNDS) -> list[str]:
+def engines(
+    results_dir: Path,
+    log,
+    tokens: int = FIG1B_TOKENS,
+    models: tuple[str, ...] = TINY_MODELS,
+    rounds: int = ENGINES_ROUNDS,
+) -> list[str]:
     """`bench speed engines`: both engines' AR beside their resident bounds, interleaved rounds (one
     prompt per suite). Kept when already measured on this machine for these weights."""
     torch.set_num_threads(FIG1B_THREADS)
@@ -199,36 +265,58 @@ def engines(results_dir: Path, log, tokens: int = FIG1B_TOKENS, models: tuple[st
         folder = registry.resolve(model)
         path = results_dir / f"engines_{model}_mn.json"
         old = json.loads(path.read_text()) if path.exists() else {}
-        if (old.get("machine_id"), old.get("weights"), old.get("max_new_tokens")) == \
-                (machine_id(), weights_fingerprint(folder), tokens):
+        if (old.get("machine_id"), old.get("weights"), old.get("max_new_tokens")) == (
+            machine_id(),
+            weights_fingerprint(folder),
+            tokens,
+        ):
             log(f"{path.name}: measured already on this machine, kept")
             res = old
         else:
-            res = speed.engines(model, folder, prompts.load(limit=1),
-                                lambda qt: expert_file_for(model, folder, qt, log=log), tokens, rounds,
-                                read_bw=read_bw, log=log)
+            res = speed.engines(
+                model,
+                folder,
+                prompts.load(limit=1),
+                lambda qt: expert_file_for(model, folder, qt, log=log),
+                tokens,
+                rounds,
+                read_bw=read_bw,
+                log=log,
+            )
             write_json_atomic(path, res)
         (results_dir / f"engines_{model}_mn.md").write_text(captions.engines_page(res, model, tokens, FIG1B_THREADS))
         written += [f"results/engines_{model}_mn.md", f"results/engines_{model}_mn.json"]
     return written
 
 
-def fig3(results_dir: Path, log, per_suite: int = FIG1B_PER_SUITE, tokens: int = FIG1B_TOKENS,
-         models: tuple[str, ...] = TINY_MODELS) -> list[str]:
+def fig3(
+    results_dir: Path,
+    log,
+    per_suite: int = FIG1B_PER_SUITE,
+    tokens: int = FIG1B_TOKENS,
+    models: tuple[str, ...] = TINY_MODELS,
+) -> list[str]:
     """Fig. 3 on mn: each drafter's cumulative unique layer-experts vs draft length (K = 8, fixed)."""
     written = []
     for model in models:
         res = _compare_set(results_dir, log, model, per_suite, tokens, "fig3")  # the set fixes K = 8
-        curves = {label.removesuffix("-k8"): row["draft_unique_curve"] for label, row in res["methods"].items()
-                  if label != "ar"}
+        curves = {
+            label.removesuffix("-k8"): row["draft_unique_curve"]
+            for label, row in res["methods"].items()
+            if label != "ar"
+        }
         (results_dir / f"fig3_{model}_mn.md").write_text(
-            captions.fig3_page(model, curves, per_suite, tokens, all(res["tokens_equal_ar"].values())))
+            captions.fig3_page(model, curves, per_suite, tokens, all(res["tokens_equal_ar"].values()))
+        )
         cfg = json.loads((registry.resolve(model) / "config.json").read_text())
         moe = cfg["num_hidden_layers"] - cfg["first_k_dense_replace"]
-        figs = paper_figs.fig3.figure(curves, results_dir / "figures" / f"fig3_{model}",
-                             f"{model}: draft-side unique experts vs length (measured)",
-                             paper_at_k4=paper_figs.fig3.paper_points(model, moe),
-                             source=f"results/runs/compare-{model}-mn, machine {_machine_id(results_dir)}")
+        figs = paper_figs.fig3.figure(
+            curves,
+            results_dir / "figures" / f"fig3_{model}",
+            f"{model}: draft-side unique experts vs length (measured)",
+            paper_at_k4=paper_figs.fig3.paper_points(model, moe),
+            source=f"results/runs/compare-{model}-mn, machine {_machine_id(results_dir)}",
+        )
         written += [f"results/fig3_{model}_mn.md", *[str(p.relative_to(results_dir.parent)) for p in figs]]
     return written
 
@@ -237,8 +325,9 @@ SWEEP_LENGTHS = list(range(1, 9))
 SWEEP_STARTS = [0, 8, 16]
 
 
-def fig45(results_dir: Path, log, per_suite: int = FIG1B_PER_SUITE, quick: bool = False,
-          models: tuple[str, ...] = TINY_MODELS) -> list[str]:
+def fig45(
+    results_dir: Path, log, per_suite: int = FIG1B_PER_SUITE, quick: bool = False, models: tuple[str, ...] = TINY_MODELS
+) -> list[str]:
     """Figs. 4–5 on mn (Q4_0, cold, torch engine): verify cost and unique experts vs block length,
     and Fig. 4's dense half: each model's dense counterpart swept over the same blocks. `quick`
     (a reproduce run below the default prompt count): blocks at the first start only."""
@@ -254,29 +343,49 @@ def fig45(results_dir: Path, log, per_suite: int = FIG1B_PER_SUITE, quick: bool 
         rows, continuations = verify_sweep(target, ids, SWEEP_LENGTHS, starts, log=log)
         target.experts.close()
         dense_folder = dense_counterpart_for(model, folder, log=log)
-        dense = build_model(dense_folder, "flash",
-                            gguf_path=expert_file_for(f"{model}-dense", dense_folder, "q4_0", log=log))
+        dense = build_model(
+            dense_folder, "flash", gguf_path=expert_file_for(f"{model}-dense", dense_folder, "q4_0", log=log)
+        )
         log(f"{model}'s dense counterpart over the same blocks")
         dense_rows, _ = verify_sweep(dense, ids, SWEEP_LENGTHS, starts, log=log, continuations=continuations)
         dense.experts.close()
         c, d = metrics.verify_sweep_curves(rows), metrics.verify_sweep_curves(dense_rows)
         per_model[model] = c | {"dense_cost": d["cost"]}
-        write_json_atomic(results_dir / f"fig45_{model}_mn.json", {
-            "model": model, "machine": machine["machine_id"], "rows": rows, "curves": c,
-            "dense": {"what": paper_figs.fig45.DENSE_LABEL, "rows": dense_rows, "curves": d}})
+        write_json_atomic(
+            results_dir / f"fig45_{model}_mn.json",
+            {
+                "model": model,
+                "machine": machine["machine_id"],
+                "rows": rows,
+                "curves": c,
+                "dense": {"what": paper_figs.fig45.DENSE_LABEL, "rows": dense_rows, "curves": d},
+            },
+        )
         (results_dir / f"fig45_{model}_mn.md").write_text(
-            captions.fig45_page(model, per_model[model], len(ids), starts, FIG1B_THREADS, machine["machine_id"]))
-    figs = paper_figs.fig45.figure(per_model, results_dir / "figures" / "fig45_verify_block",
-                         f"results/fig45_{{{','.join(models)}}}_mn.json, machine {machine['machine_id']}")
-    return [*(f"results/fig45_{m}_mn.{ext}" for m in per_model for ext in ("md", "json")),
-            *[str(p.relative_to(results_dir.parent)) for p in figs]]
+            captions.fig45_page(model, per_model[model], len(ids), starts, FIG1B_THREADS, machine["machine_id"])
+        )
+    figs = paper_figs.fig45.figure(
+        per_model,
+        results_dir / "figures" / "fig45_verify_block",
+        f"results/fig45_{{{','.join(models)}}}_mn.json, machine {machine['machine_id']}",
+    )
+    return [
+        *(f"results/fig45_{m}_mn.{ext}" for m in per_model for ext in ("md", "json")),
+        *[str(p.relative_to(results_dir.parent)) for p in figs],
+    ]
 
 
 REGIME_MODEL, REGIME_PER_SUITE, REGIME_TOKENS = "ds-tiny", 1, 32  # 7 caps × 5 methods × 2 engines: kept small
 
 
-def regime(results_dir: Path, log, per_suite: int = REGIME_PER_SUITE, tokens: int = REGIME_TOKENS,
-           quick: bool = False, caps: list[int | None] | None = None) -> list[str]:
+def regime(
+    results_dir: Path,
+    log,
+    per_suite: int = REGIME_PER_SUITE,
+    tokens: int = REGIME_TOKENS,
+    quick: bool = False,
+    caps: list[int | None] | None = None,
+) -> list[str]:
     """The paper's regime measured: Table 2's methods on ds-tiny under real storage read caps
     (the kernel's block-I/O throttle; root), on both engines, then the speed-up-vs-bandwidth
     figure. Skipped, with the reason, where the cap cannot be applied. `quick` (a reproduce run
@@ -296,11 +405,24 @@ def regime(results_dir: Path, log, per_suite: int = REGIME_PER_SUITE, tokens: in
     for engine in ("torch", "llama.cpp"):
         tag = "-llama.cpp" if engine == "llama.cpp" else ""
         recs = prompts.load(limit=per_suite)
-        res = compare(Cell(model=REGIME_MODEL, method="draftexpert", platform="mn", engine=engine,
-                           expert_type="q4_0", max_new_tokens=tokens), folder, recs[:2] if quick else recs,
-                      results_dir / "runs" / f"regime-{REGIME_MODEL}-mn{tag}",
-                      lambda qt: expert_file_for(REGIME_MODEL, folder, qt, log=log), machine, log=log,
-                      method_set="regime", caps=caps or ([REGIME_CAPS[0], None] if quick else REGIME_CAPS))
+        res = compare(
+            Cell(
+                model=REGIME_MODEL,
+                method="draftexpert",
+                platform="mn",
+                engine=engine,
+                expert_type="q4_0",
+                max_new_tokens=tokens,
+            ),
+            folder,
+            recs[:2] if quick else recs,
+            results_dir / "runs" / f"regime-{REGIME_MODEL}-mn{tag}",
+            lambda qt: expert_file_for(REGIME_MODEL, folder, qt, log=log),
+            machine,
+            log=log,
+            method_set="regime",
+            caps=caps or ([REGIME_CAPS[0], None] if quick else REGIME_CAPS),
+        )
         for cell in res["caps"]:
             for row in cell["methods"].values():
                 row.pop("tokens")
@@ -308,15 +430,20 @@ def regime(results_dir: Path, log, per_suite: int = REGIME_PER_SUITE, tokens: in
         stem = f"regime_{REGIME_MODEL}_mn{tag.replace('-', '_')}"
         write_json_atomic(results_dir / f"{stem}.json", res)
         (results_dir / f"{stem}.md").write_text(
-            captions.regime_page(res, per_suite, tokens, FIG1B_THREADS, machine["machine_id"]))
+            captions.regime_page(res, per_suite, tokens, FIG1B_THREADS, machine["machine_id"])
+        )
         written += [f"results/runs/regime-{REGIME_MODEL}-mn{tag}/*", f"results/{stem}.md", f"results/{stem}.json"]
-    figs = paper_figs.regime.figure(results, results_dir / "figures" / f"regime_{REGIME_MODEL}",
-                         f"results/runs/regime-{REGIME_MODEL}-mn{{,-llama.cpp}}, machine {machine['machine_id']}")
+    figs = paper_figs.regime.figure(
+        results,
+        results_dir / "figures" / f"regime_{REGIME_MODEL}",
+        f"results/runs/regime-{REGIME_MODEL}-mn{{,-llama.cpp}}, machine {machine['machine_id']}",
+    )
     return written + [str(p.relative_to(results_dir.parent)) for p in figs]
 
 
-def table5(results_dir: Path, log, per_suite: int, tokens: int, quick: bool = False,
-           models: tuple[str, ...] = TINY_MODELS) -> list[str]:
+def table5(
+    results_dir: Path, log, per_suite: int, tokens: int, quick: bool = False, models: tuple[str, ...] = TINY_MODELS
+) -> list[str]:
     """Table 5 from the committed draft-expert checkpoints of each tiny model (`bench distill-eval`);
     `bench distill --model <m> --preset <p>` retrains any of them."""
     torch.set_num_threads(FIG1B_THREADS)
@@ -328,20 +455,27 @@ def table5(results_dir: Path, log, per_suite: int, tokens: int, quick: bool = Fa
             log(f"Table 5 skipped for {model}: no distilled draft experts (bench distill --model {model})")
             continue
         try:
-            res = bd.distill_eval(model, folder, bd.PRESET_ORDER, recs, tokens, 256, log,
-                                  held_out=4 if quick else bd.EVAL_WINDOWS)  # quick: a smoke run
+            res = bd.distill_eval(
+                model, folder, bd.PRESET_ORDER, recs, tokens, 256, log, held_out=4 if quick else bd.EVAL_WINDOWS
+            )  # quick: a smoke run
         except FileNotFoundError as e:  # the held-out text is the corpus's validation split
             log(f"Table 5 skipped: {e}")
             return written
         write_json_atomic(results_dir / f"table5_{model}.json", res)
-        (results_dir / f"table5_{model}.md").write_text(captions.table5_page(res, model, per_suite, tokens,
-                                                                             bd.report(res)))
+        (results_dir / f"table5_{model}.md").write_text(
+            captions.table5_page(res, model, per_suite, tokens, bd.report(res))
+        )
         written += [f"results/table5_{model}.md", f"results/table5_{model}.json"]
     return written
 
 
-def reproduce(results_dir: Path, log=lambda m: print(m, file=sys.stderr), per_suite: int = FIG1B_PER_SUITE,
-              tokens: int = FIG1B_TOKENS, models: tuple[str, ...] = TINY_MODELS) -> dict:
+def reproduce(
+    results_dir: Path,
+    log=lambda m: print(m, file=sys.stderr),
+    per_suite: int = FIG1B_PER_SUITE,
+    tokens: int = FIG1B_TOKENS,
+    models: tuple[str, ...] = TINY_MODELS,
+) -> dict:
     """Every step; `per_suite` prompts per suite and `tokens` new tokens for the decoding runs;
     the per-model steps on `models` (the regime sweep and Fig. 1b always on ds-tiny)."""
     done = []
@@ -361,8 +495,11 @@ def reproduce(results_dir: Path, log=lambda m: print(m, file=sys.stderr), per_su
     figs_dir = results_dir / "figures"
     figs_dir.mkdir(exist_ok=True)
     (results_dir / "fig1a_params.md").write_text(fig1a.table(df))
-    done += ["results/params/*.json", "results/fig1a_params.md",
-             *[str(p.relative_to(results_dir.parent)) for p in fig1a.figure(df, figs_dir / "fig1a_params")]]
+    done += [
+        "results/params/*.json",
+        "results/fig1a_params.md",
+        *[str(p.relative_to(results_dir.parent)) for p in fig1a.figure(df, figs_dir / "fig1a_params")],
+    ]
     if registry.is_present(FIG1B_MODEL):
         log(f"Fig. 1b: AR offload of {FIG1B_MODEL} on mn (q4_0, bf16) and cg, {per_suite} prompts per suite")
         done += fig1b_runs(results_dir, log, per_suite, tokens)
@@ -377,13 +514,15 @@ def reproduce(results_dir: Path, log=lambda m: print(m, file=sys.stderr), per_su
             log("Tables 2/3 (mn rows) on llama.cpp, " + ", ".join(models))
             done += spec_compare(results_dir, log, per_suite, tokens, engine="llama.cpp", models=models)
             log("Both engines' AR beside their resident bounds (bench speed engines), " + ", ".join(models))
-            done += engines(results_dir, log, tokens, models=models,
-                            rounds=1 if per_suite < FIG1B_PER_SUITE else ENGINES_ROUNDS)
+            done += engines(
+                results_dir, log, tokens, models=models, rounds=1 if per_suite < FIG1B_PER_SUITE else ENGINES_ROUNDS
+            )
             log("Table 4 on llama.cpp: fixed K vs truncation vs + prefetch (DraftExpert), " + ", ".join(models))
             done += table4(results_dir, log, per_suite, tokens, engine="llama.cpp", models=models)
             log("Cross-check llama.cpp f32 vs the torch engine on every prompt, " + ", ".join(models))
-            done += crosscheck(results_dir, log, None if per_suite >= FIG1B_PER_SUITE else per_suite, min(tokens, 32),
-                               models=models)
+            done += crosscheck(
+                results_dir, log, None if per_suite >= FIG1B_PER_SUITE else per_suite, min(tokens, 32), models=models
+            )
         log("Fig. 3: draft-side unique experts vs draft length, " + ", ".join(models) + " on mn")
         done += fig3(results_dir, log, per_suite, tokens, models=models)
         log("Figs. 4-5: verify cost and unique experts vs block length, " + ", ".join(models) + " on mn")
@@ -391,8 +530,13 @@ def reproduce(results_dir: Path, log=lambda m: print(m, file=sys.stderr), per_su
         log("Table 4: fixed K vs truncation vs + prefetch (DraftExpert), " + ", ".join(models) + " on mn")
         done += table4(results_dir, log, per_suite, tokens, models=models)
         log("The regime: Table 2's methods under real storage read caps, ds-tiny, both engines")
-        done += regime(results_dir, log, min(per_suite, REGIME_PER_SUITE), min(tokens, REGIME_TOKENS),
-                       quick=per_suite < FIG1B_PER_SUITE)
+        done += regime(
+            results_dir,
+            log,
+            min(per_suite, REGIME_PER_SUITE),
+            min(tokens, REGIME_TOKENS),
+            quick=per_suite < FIG1B_PER_SUITE,
+        )
         log("Table 5: draft-expert ablation (bench distill-eval) for the tiny models")
         done += table5(results_dir, log, per_suite, tokens, quick=per_suite < FIG1B_PER_SUITE, models=models)
         done += table1(results_dir, log)

@@ -16,6 +16,7 @@
   config alone: DS-V2-Lite's by default), into a temporary folder that is removed: file bytes,
   seconds and the process's peak RSS — one layer's worth whatever the layer count.
 """
+
 from __future__ import annotations
 
 import random
@@ -57,8 +58,16 @@ def _llama_generate(lm, ids: list[int], n: int) -> tuple[list[int], float]:
     return tokens, time.perf_counter() - t0
 
 
-def overhead(folder: Path, threads: int, new_tokens: int = 64, repeats: int = 3, prompt_len: int = 16, log=print,
-             compile: bool = False, llama_head: Path | None = None) -> dict:
+def overhead(
+    folder: Path,
+    threads: int,
+    new_tokens: int = 64,
+    repeats: int = 3,
+    prompt_len: int = 16,
+    log=print,
+    compile: bool = False,
+    llama_head: Path | None = None,
+) -> dict:
     torch.set_num_threads(threads)
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, local_files_only=True).eval()
     lean = build_model(folder, "resident")
@@ -87,12 +96,21 @@ def overhead(folder: Path, threads: int, new_tokens: int = 64, repeats: int = 3,
             lean_ms.append(1000 * t_lean / new_tokens)
             if lm is not None:
                 llama_ms.append(1000 * t_llama / new_tokens)
-            log(f"round {rep}: transformers {hf_ms[-1]:.2f} ms/token, lean {lean_ms[-1]:.2f} ms/token"
-                + (f", llama.cpp f32 {llama_ms[-1]:.2f} ms/token" if llama_ms else ""))
-    res = {"threads": threads, "new_tokens": new_tokens, "prompt_len": prompt_len, "compiled": compile,
-           "transformers_ms_per_token": _stats(hf_ms), "lean_resident_ms_per_token": _stats(lean_ms),
-           "speedup_median": statistics.median(hf_ms) / statistics.median(lean_ms), "tokens_identical": same,
-           "note": "ms/token over prefill + decode of new_tokens tokens (both sides timed the same way)"}
+            log(
+                f"round {rep}: transformers {hf_ms[-1]:.2f} ms/token, lean {lean_ms[-1]:.2f} ms/token"
+                + (f", llama.cpp f32 {llama_ms[-1]:.2f} ms/token" if llama_ms else "")
+            )
+    res = {
+        "threads": threads,
+        "new_tokens": new_tokens,
+        "prompt_len": prompt_len,
+        "compiled": compile,
+        "transformers_ms_per_token": _stats(hf_ms),
+        "lean_resident_ms_per_token": _stats(lean_ms),
+        "speedup_median": statistics.median(hf_ms) / statistics.median(lean_ms),
+        "tokens_identical": same,
+        "note": "ms/token over prefill + decode of new_tokens tokens (both sides timed the same way)",
+    }
     if lm is not None:
         lm.close()
         res["llama_cpp_f32_ms_per_token"] = _stats(llama_ms)
@@ -112,12 +130,23 @@ ENGINE_CELLS = [  # (label, the cell's options)
     ("torch, Q4_0 head, resident", {"platform": "resident", "resident_from_file": True, "head_type": "q4_0"}),
     ("llama.cpp resident", {"platform": "resident", "engine": "llama.cpp"}),
 ]
-RESIDENT_OF = {"torch": "torch resident", "torch, Q4_0 head": "torch, Q4_0 head, resident",
-               "llama.cpp": "llama.cpp resident"}  # each offloaded cell → its resident bound
+RESIDENT_OF = {
+    "torch": "torch resident",
+    "torch, Q4_0 head": "torch, Q4_0 head, resident",
+    "llama.cpp": "llama.cpp resident",
+}  # each offloaded cell → its resident bound
 
 
-def engines(model: str, folder: Path, prompts: list[dict], expert_file, max_new_tokens: int = 64, rounds: int = 3,
-            read_bw: float | None = None, log=print) -> dict:
+def engines(
+    model: str,
+    folder: Path,
+    prompts: list[dict],
+    expert_file,
+    max_new_tokens: int = 64,
+    rounds: int = 3,
+    read_bw: float | None = None,
+    log=print,
+) -> dict:
     """AR decode ms/token of each `ENGINE_CELLS` configuration on the same prompts and Q4_0 expert file,
     in interleaved rounds (a shared machine's speed drifts within minutes: only same-round ratios are fair),
     each configuration loaded afresh per round and timed over its decode only. Reports the medians,
@@ -147,14 +176,21 @@ def engines(model: str, folder: Path, prompts: list[dict], expert_file, max_new_
 
     def follows(a: str, b: str) -> float:  # mean length of the common prefix of two labels' continuations
         pairs = list(zip(tokens[a], tokens[b]))
-        return statistics.mean(next((i for i, (x, y) in enumerate(zip(s, t)) if x != y), min(len(s), len(t)))
-                               for s, t in pairs)
+        return statistics.mean(
+            next((i for i, (x, y) in enumerate(zip(s, t)) if x != y), min(len(s), len(t))) for s, t in pairs
+        )
 
     return {
-        "model": model, "expert_type": "q4_0", "prompts": len(prompts), "max_new_tokens": max_new_tokens,
-        "rounds": rounds, "threads": torch.get_num_threads(), "machine_id": machine_id(),
+        "model": model,
+        "expert_type": "q4_0",
+        "prompts": len(prompts),
+        "max_new_tokens": max_new_tokens,
+        "rounds": rounds,
+        "threads": torch.get_num_threads(),
+        "machine_id": machine_id(),
         "weights": weights_fingerprint(folder),
-        "read_bw": read_bw, "resident_of": RESIDENT_OF,
+        "read_bw": read_bw,
+        "resident_of": RESIDENT_OF,
         "ms_per_token": {label: _stats(v) for label, v in ms.items()},
         "stall_ms_per_token": {label: _stats(v) for label, v in stall.items()},
         "bytes_per_token": {e: moved[e] for e in RESIDENT_OF},
@@ -162,8 +198,10 @@ def engines(model: str, folder: Path, prompts: list[dict], expert_file, max_new_
         "x_llama_cpp": {e: med[e] / med["llama.cpp"] for e in RESIDENT_OF},
         "ar_vs_resident_speed": {e: med[r] / med[e] for e, r in RESIDENT_OF.items()},
         "ar_tokens_equal_resident": {e: tokens[e] == tokens[r] for e, r in RESIDENT_OF.items()},
-        "tokens_following_llama_cpp": {"checkpoint head": follows("torch", "llama.cpp"),
-                                       "Q4_0 head": follows("torch, Q4_0 head", "llama.cpp")},
+        "tokens_following_llama_cpp": {
+            "checkpoint head": follows("torch", "llama.cpp"),
+            "Q4_0 head": follows("torch, Q4_0 head", "llama.cpp"),
+        },
         "note": "decode ms/token, medians over interleaved rounds; each configuration loaded afresh per round",
     }
 
@@ -200,14 +238,22 @@ def host(folder: Path, repeats: int = 20, layer: int | None = None, log=print) -
     store.close()
     copy_s, load_s = copy_s[1:], load_s[1:]
     med_copy, med_load = statistics.median(copy_s), statistics.median(load_s)
-    return {"device": torch.cuda.get_device_name() if cuda else "cpu (the CPU as the accelerator)", "layer": layer,
-            "experts": cfg.top_k, "bytes": total, "copy_ms": _stats([1000 * s for s in copy_s]),
-            "load_ms": _stats([1000 * s for s in load_s]), "copy_gb_per_s": total / med_copy / 1e9,
-            "load_gb_per_s": total / med_load / 1e9, "efficiency": med_copy / med_load}
+    return {
+        "device": torch.cuda.get_device_name() if cuda else "cpu (the CPU as the accelerator)",
+        "layer": layer,
+        "experts": cfg.top_k,
+        "bytes": total,
+        "copy_ms": _stats([1000 * s for s in copy_s]),
+        "load_ms": _stats([1000 * s for s in load_s]),
+        "copy_gb_per_s": total / med_copy / 1e9,
+        "load_gb_per_s": total / med_load / 1e9,
+        "efficiency": med_copy / med_load,
+    }
 
 
-def flash(folder: Path, gguf: Path, repeats: int = 20, layer: int | None = None, staging: str = "demand",
-          log=print) -> dict:
+def flash(
+    folder: Path, gguf: Path, repeats: int = 20, layer: int | None = None, staging: str = "demand", log=print
+) -> dict:
     """One layer's top-6 experts through the flash store (`staging`, cold: the file's pages dropped
     after every load) against six O_DIRECT reads of the same bytes in flight together."""
     store = FlashStore(gguf, staging=staging)
@@ -233,20 +279,28 @@ def flash(folder: Path, gguf: Path, repeats: int = 20, layer: int | None = None,
     pool.shutdown()
     qtype = f.qtype
     block = max(4096, f.slices[(layer, "down")].nbytes // 4096 * 4096)
-    ref = odirect_read_bandwidth(Path(gguf).parent, block_size=block, file_size=max(total, block),
-                                 passes=max(5, repeats // 2))
+    ref = odirect_read_bandwidth(
+        Path(gguf).parent, block_size=block, file_size=max(total, block), passes=max(5, repeats // 2)
+    )
     store.close()
     f.close()
     med_read, med_load = statistics.median(read_s), statistics.median(load_s)
-    res = {"expert_type": qtype, "staging": staging, "layer": layer, "experts": top_k, "bytes": total,
-           "read_ms": _stats([1000 * s for s in read_s]), "load_ms": _stats([1000 * s for s in load_s]),
-           "read_gb_per_s": total / med_read / 1e9, "load_gb_per_s": total / med_load / 1e9,
-           "odirect_reference": ref}
+    res = {
+        "expert_type": qtype,
+        "staging": staging,
+        "layer": layer,
+        "experts": top_k,
+        "bytes": total,
+        "read_ms": _stats([1000 * s for s in read_s]),
+        "load_ms": _stats([1000 * s for s in load_s]),
+        "read_gb_per_s": total / med_read / 1e9,
+        "load_gb_per_s": total / med_load / 1e9,
+        "odirect_reference": ref,
+    }
     if "gb_per_s_median" in ref:
         res["read_efficiency"] = res["read_gb_per_s"] / ref["gb_per_s_median"]
         res["load_efficiency"] = res["load_gb_per_s"] / ref["gb_per_s_median"]
     return res
-
 
 
 def convert_memory(cfg: dict, n_layers: int, qtype: str, folder: Path, log=print) -> dict:
@@ -265,6 +319,11 @@ def convert_memory(cfg: dict, n_layers: int, qtype: str, folder: Path, log=print
         t0 = time.perf_counter()
         path = write_expert_gguf(Path(tmp) / "experts.gguf", layers(), meta, qtype)
         seconds, size = time.perf_counter() - t0, path.stat().st_size
-    return {"layers": n_layers, "type": qtype, "file_bytes": size, "seconds": seconds,
-            "layer_fp32_bytes": E * 3 * H * inter * 4,
-            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    return {
+        "layers": n_layers,
+        "type": qtype,
+        "file_bytes": size,
+        "seconds": seconds,
+        "layer_fp32_bytes": E * 3 * H * inter * 4,
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    }

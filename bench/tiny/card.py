@@ -1,6 +1,7 @@
 """Model card of an embedded tiny model: models/<name>/README.md plus its figures, written only
 from files in the folder (config.json, training_log.jsonl, training_config.json,
 corpus_manifest.json, eval.json) so that every number in the card can be traced to a run."""
+
 from __future__ import annotations
 
 import json
@@ -43,7 +44,7 @@ def _curves(log: list[dict], out: Path) -> Path:
     ce = np.array([r["ce"] for r in log])
     k = 20
     smooth = np.convolve(ce, np.ones(k) / k, mode="valid") if len(ce) >= k else ce
-    ax.plot(steps[len(steps) - len(smooth):], smooth, label=f"train cross-entropy ({k}-step mean)")
+    ax.plot(steps[len(steps) - len(smooth) :], smooth, label=f"train cross-entropy ({k}-step mean)")
     ev = [r for r in log if "val_loss" in r]
     ax.plot([r["step"] for r in ev], [r["val_loss"] for r in ev], "o-", label="validation cross-entropy")
     ax.set_xlabel("step")
@@ -94,27 +95,41 @@ def write_card(folder: Path, name: str, reproduce_cmd: str) -> Path:
     _usage(ev["usage_share"], folder / "expert_usage.png")
     wall_s = training_wall_s(log, tcfg)
     v3 = cfg["model_type"] == "deepseek_v3"
-    routing = ("sigmoid scores + `e_score_correction_bias` choose the top-6 (`noaux_tc`, one group); weights = "
-               f"un-biased sigmoid scores, normalised, × {cfg['routed_scaling_factor']} (Moonlight's routing)"
-               if v3 else "softmax over 64 experts, greedy top-6, no renormalisation, routed output × "
-               f"{cfg['routed_scaling_factor']} (DeepSeek-V2's routing"
-               + ("; V2-Lite ships scale 1.0, see `bench/tiny/configs.py` for why this one is larger)"
-                  if cfg["routed_scaling_factor"] != 1.0 else ")"))
-    balance = ("DeepSeek-V3 auxiliary-loss-free balancing: after each step b_i ← b_i + u·sign(mean load − load_i), "
-               f"u = {tcfg['bias_update_speed']}, plus V3's sequence-wise balance loss α = {tcfg['seq_balance_alpha']}"
-               if v3 else "DeepSeek-V2 expert-level balance loss α·Σ_i f_i P_i per MoE layer, "
-               f"α = {tcfg['balance_alpha']}")
+    routing = (
+        "sigmoid scores + `e_score_correction_bias` choose the top-6 (`noaux_tc`, one group); weights = "
+        f"un-biased sigmoid scores, normalised, × {cfg['routed_scaling_factor']} (Moonlight's routing)"
+        if v3
+        else "softmax over 64 experts, greedy top-6, no renormalisation, routed output × "
+        f"{cfg['routed_scaling_factor']} (DeepSeek-V2's routing"
+        + (
+            "; V2-Lite ships scale 1.0, see `bench/tiny/configs.py` for why this one is larger)"
+            if cfg["routed_scaling_factor"] != 1.0
+            else ")"
+        )
+    )
+    balance = (
+        "DeepSeek-V3 auxiliary-loss-free balancing: after each step b_i ← b_i + u·sign(mean load − load_i), "
+        f"u = {tcfg['bias_update_speed']}, plus V3's sequence-wise balance loss α = {tcfg['seq_balance_alpha']}"
+        if v3
+        else f"DeepSeek-V2 expert-level balance loss α·Σ_i f_i P_i per MoE layer, α = {tcfg['balance_alpha']}"
+    )
     tokens_seen = log[-1]["tokens_seen"]
     lines = [
-        f"# {name}", "",
+        f"# {name}",
+        "",
         f"An embedded MoE target of the DraftExpert suite: transformers' `{cfg['architectures'][0]}`, with the "
         f"routing structure of {'Moonlight-16B-A3B' if v3 else 'DeepSeek-V2-Lite'} at small dimensions, trained by "
         "this project on an offline corpus. Weights: `model.safetensors` (bf16). Load with "
-        f"`AutoModelForCausalLM.from_pretrained('models/{name}')` (no network) or through `bench --model {name}`.", "",
-        f"Reproduce: `{reproduce_cmd}" + (f" --threads {tcfg['threads']}" if tcfg.get("threads", 1) != 1 else "")
-        + "` (its tokenizer, committed here, is reused).", "",
-        "## Shape", "",
-        "| | |", "|---|---|",
+        f"`AutoModelForCausalLM.from_pretrained('models/{name}')` (no network) or through `bench --model {name}`.",
+        "",
+        f"Reproduce: `{reproduce_cmd}"
+        + (f" --threads {tcfg['threads']}" if tcfg.get("threads", 1) != 1 else "")
+        + "` (its tokenizer, committed here, is reused).",
+        "",
+        "## Shape",
+        "",
+        "| | |",
+        "|---|---|",
         f"| layers | {cfg['num_hidden_layers']} (first {cfg['first_k_dense_replace']} dense, intermediate "
         f"{cfg['intermediate_size']}) |",
         f"| hidden | {cfg['hidden_size']} |",
@@ -128,7 +143,8 @@ def write_card(folder: Path, name: str, reproduce_cmd: str) -> Path:
         f"| vocabulary | {cfg['vocab_size']} (byte-level BPE trained on the corpus; chat template "
         "`User: … / Assistant: …`) |",
         "",
-        "## Parameters (`bench params --model " + name + "`)", "",
+        "## Parameters (`bench params --model " + name + "`)",
+        "",
         f"- total {b['total'] / 1e6:.2f}M; routed experts {b['routed_experts'] / 1e6:.2f}M = "
         f"**{100 * b['routed_share']:.1f}%**; non-routed {b['non_routed'] / 1e6:.2f}M",
         f"- one routed expert: {b['routed_expert_params_each']:,} parameters = "
@@ -136,10 +152,15 @@ def write_card(folder: Path, name: str, reproduce_cmd: str) -> Path:
         f"per decoded token (6 × {b['n_routed_experts_total'] // cfg['n_routed_experts']} MoE layers) "
         f"{6 * b['n_routed_experts_total'] // cfg['n_routed_experts'] * b['routed_expert_mib_bf16']:.1f} MiB bf16",
         "",
-        WHY.format(total_m=b["total"] / 1e6, mb=2 * b["total"] / 1e6, mb2=4 * b["total"] / 1e6,
-                   routed_pct=100 * b["routed_share"],
-                   tok_s=float(np.median([r["tokens_per_s"] for r in log if "tokens_per_s" in r]))),
-        "## Training", "",
+        WHY.format(
+            total_m=b["total"] / 1e6,
+            mb=2 * b["total"] / 1e6,
+            mb2=4 * b["total"] / 1e6,
+            routed_pct=100 * b["routed_share"],
+            tok_s=float(np.median([r["tokens_per_s"] for r in log if "tokens_per_s" in r])),
+        ),
+        "## Training",
+        "",
         f"- corpus: {sum(s['train_bytes'] for s in corpus['sources']) / 2**20:.1f} MiB of offline prose and code "
         f"({', '.join(s['name'] for s in corpus['sources'])}); documents sharing a {corpus['ngram']}-word sequence "
         "with any evaluation prompt dropped (see `corpus_manifest.json`)",
@@ -147,55 +168,91 @@ def write_card(folder: Path, name: str, reproduce_cmd: str) -> Path:
         f"**{tokens_seen / 1e6:.2f}M tokens seen**; AdamW lr {tcfg['lr']} (warm-up {tcfg['warmup']}, cosine to "
         f"{tcfg['min_lr_ratio']}×), weight decay {tcfg['weight_decay']}, bf16 autocast, seed {tcfg['seed']}, "
         f"{tcfg['threads']} CPU thread(s)"
-        + (f", wall time {wall_s / 60:.0f} min" + ("" if "elapsed_s" in log[-1] else
-                                                     " (from the logged throughput; evaluation time not included)")),
+        + (
+            f", wall time {wall_s / 60:.0f} min"
+            + ("" if "elapsed_s" in log[-1] else " (from the logged throughput; evaluation time not included)")
+        ),
         f"- load balancing: {balance}"
-        + (f"; then {tcfg['bias_rebalance']['bias_balance_steps']} bias-update-only steps with every weight frozen "
-           f"(u = {tcfg['bias_rebalance']['bias_update_speed']}, training batches of "
-           f"{tcfg['bias_rebalance']['batch_size']} × {tcfg['bias_rebalance']['seq_len']}, seeds disjoint from "
-           "training), part of the recipe since an earlier ml-tiny's full validation split showed two layers above "
-           "3× the uniform load after the schedule ended" if "bias_rebalance" in tcfg else ""),
+        + (
+            f"; then {tcfg['bias_rebalance']['bias_balance_steps']} bias-update-only steps with every weight frozen "
+            f"(u = {tcfg['bias_rebalance']['bias_update_speed']}, training batches of "
+            f"{tcfg['bias_rebalance']['batch_size']} × {tcfg['bias_rebalance']['seq_len']}, seeds disjoint from "
+            "training), part of the recipe since an earlier ml-tiny's full validation split showed two layers above "
+            "3× the uniform load after the schedule ended"
+            if "bias_rebalance" in tcfg
+            else ""
+        ),
         "",
-        "![loss curve](loss_curve.png)", "",
-        f"## Evaluation (`bench model eval --model {name}`: the whole validation split)", "",
+        "![loss curve](loss_curve.png)",
+        "",
+        f"## Evaluation (`bench model eval --model {name}`: the whole validation split)",
+        "",
         f"On {ev['sequences']} validation sequences of {ev['seq_len']} tokens ({ev['tokens']:,} tokens). The split "
         f"holds ~{corpus['val_fraction']:.0%} of each source's documents (hashed by path), each cut to its first "
         f"{corpus.get('val_doc_cap_bytes', 0) // 1024} KiB so that no single huge document (the collected "
-        "Shakespeare is one 465 KB file) dominates it:", "",
+        "Shakespeare is one 465 KB file) dominates it:",
+        "",
         f"- validation perplexity **{ev['perplexity']:.1f}** vs the unigram baseline of the same tokenizer "
         f"**{ev['unigram_perplexity']:.1f}**",
         "- expert usage per MoE layer (normalised entropy; max and min load share × uniform; experts used of "
         f"{cfg['n_routed_experts']}) and how much of each token the routed experts carry (mean Σ of the top-"
         f"{cfg['num_experts_per_tok']} gate weights, scaling factor included; mean routed output norm over the shared "
-        "experts' — what a shared+top-1 draft mostly leaves out):", "",
+        "experts' — what a shared+top-1 draft mostly leaves out):",
+        "",
         "| MoE layer | entropy | max × uniform | min × uniform | experts used | Σ top-k weights | routed : shared |",
         "|---|---|---|---|---|---|---|",
-        *[f"| {i + 1} | {e:.3f} | {mx:.2f} | {mn:.2f} | {u} | {ws} | {rs} |" for i, (e, mx, mn, u, ws, rs) in enumerate(
-            zip(ev["usage_entropy"], ev["max_share_x_uniform"], ev["min_share_x_uniform"], ev["experts_used"],
-                [f"{x:.2f}" for x in ev.get("routed_weight_sum", [])] or ["–"] * len(ev["experts_used"]),
-                [f"{x:.2f}" for x in ev.get("routed_to_shared_norm", [])] or ["–"] * len(ev["experts_used"])))],
-        "", "![expert usage](expert_usage.png)", "",
-        "## Greedy continuations", "",
+        *[
+            f"| {i + 1} | {e:.3f} | {mx:.2f} | {mn:.2f} | {u} | {ws} | {rs} |"
+            for i, (e, mx, mn, u, ws, rs) in enumerate(
+                zip(
+                    ev["usage_entropy"],
+                    ev["max_share_x_uniform"],
+                    ev["min_share_x_uniform"],
+                    ev["experts_used"],
+                    [f"{x:.2f}" for x in ev.get("routed_weight_sum", [])] or ["–"] * len(ev["experts_used"]),
+                    [f"{x:.2f}" for x in ev.get("routed_to_shared_norm", [])] or ["–"] * len(ev["experts_used"]),
+                )
+            )
+        ],
+        "",
+        "![expert usage](expert_usage.png)",
+        "",
+        "## Greedy continuations",
+        "",
     ]
     rep = ev.get("repetition")
     if rep:
-        lines += [f"Greedy AR continuations of {rep['prompts']} benchmark prompts (the first {rep['prompts'] // 6} of "
-                  f"each suite, through the chat template), {rep['max_new_tokens']} new tokens: "
-                  f"**{rep['mean_repeated_4gram_share']:.0%}** of their token 4-grams repeat an earlier 4-gram of the "
-                  f"same continuation (mean over prompts); the most common opening (first 4 tokens, "
-                  f"`{rep['most_shared_opening'].strip()}`) is shared by **{rep['max_shared_opening']}** of "
-                  f"{rep['prompts']} prompts.", "",
-                  "| prompt | repeated 4-grams | opening |", "|---|---|---|",
-                  *[f"| {r['id']} | {r['repeated_4gram_share']:.0%} | `{r['opening'].strip()}` |"
-                    for r in rep["rows"]], "",
-                  "A few of the continuations in full:", ""]
+        lines += [
+            f"Greedy AR continuations of {rep['prompts']} benchmark prompts (the first {rep['prompts'] // 6} of "
+            f"each suite, through the chat template), {rep['max_new_tokens']} new tokens: "
+            f"**{rep['mean_repeated_4gram_share']:.0%}** of their token 4-grams repeat an earlier 4-gram of the "
+            f"same continuation (mean over prompts); the most common opening (first 4 tokens, "
+            f"`{rep['most_shared_opening'].strip()}`) is shared by **{rep['max_shared_opening']}** of "
+            f"{rep['prompts']} prompts.",
+            "",
+            "| prompt | repeated 4-grams | opening |",
+            "|---|---|---|",
+            *[f"| {r['id']} | {r['repeated_4gram_share']:.0%} | `{r['opening'].strip()}` |" for r in rep["rows"]],
+            "",
+            "A few of the continuations in full:",
+            "",
+        ]
     for c in ev.get("continuations", []):
-        lines += [f"**{c['kind']}** — prompt: `{c['prompt'].strip()[:80]}`", "", "```", c["continuation"].strip(),
-                  "```", ""]
-    lines += ["## Licence and credits", "",
-              "Weights trained by the DraftExpert suite; training text from the packages listed in "
-              "`corpus_manifest.json` under their own licences (PSF, BSD, GPL-2.0 documentation, PostgreSQL, "
-              "Artistic/GPL, public domain)."]
+        lines += [
+            f"**{c['kind']}** — prompt: `{c['prompt'].strip()[:80]}`",
+            "",
+            "```",
+            c["continuation"].strip(),
+            "```",
+            "",
+        ]
+    lines += [
+        "## Licence and credits",
+        "",
+        "Weights trained by the DraftExpert suite; training text from the packages listed in "
+        "`corpus_manifest.json` under their own licences (PSF, BSD, GPL-2.0 documentation, PostgreSQL, "
+        "Artistic/GPL, public domain).",
+    ]
     out = folder / "README.md"
     out.write_text("\n".join(lines) + "\n")
     return out

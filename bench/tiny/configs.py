@@ -6,6 +6,7 @@ hidden 256, moe_intermediate 128: one routed expert is 3·256·128 = 98,304 para
 192 KiB in bf16 (54 KiB in Q4_0); a decoded token loads 6 per MoE layer × 5 MoE layers
 = 30 experts = 5.6 MiB bf16. Routed experts: 5·64 = 320 experts = 31.5M of ~36.6M parameters.
 """
+
 from __future__ import annotations
 
 from transformers import DeepseekV2Config, DeepseekV3Config
@@ -45,8 +46,12 @@ def ds_tiny() -> DeepseekV2Config:
     shared+top-1 draft was accepted 79% at K = 4, far from the paper's 22.5%. Moonlight's routing
     gives its routed experts 2.446 per token; V2's 16 × ≈0.24 gives ≈ 3.8.)"""
     return DeepseekV2Config(
-        **COMMON, topk_method="greedy", norm_topk_prob=False, routed_scaling_factor=16.0,
-        rms_norm_eps=1e-6, rope_theta=10000.0,
+        **COMMON,
+        topk_method="greedy",
+        norm_topk_prob=False,
+        routed_scaling_factor=16.0,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
     )
 
 
@@ -54,8 +59,13 @@ def ml_tiny() -> DeepseekV3Config:
     """Moonlight routing: sigmoid scores + correction bias choose the top-6 (one group), weights
     are the un-biased sigmoid scores, normalised, times the routed scaling factor 2.446."""
     cfg = DeepseekV3Config(
-        **COMMON, topk_method="noaux_tc", scoring_func="sigmoid", norm_topk_prob=True,
-        routed_scaling_factor=2.446, rms_norm_eps=1e-5, rope_theta=50000.0,
+        **COMMON,
+        topk_method="noaux_tc",
+        scoring_func="sigmoid",
+        norm_topk_prob=True,
+        routed_scaling_factor=2.446,
+        rms_norm_eps=1e-5,
+        rope_theta=50000.0,
     )
     return cfg
 

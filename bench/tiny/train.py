@@ -13,6 +13,7 @@ Everything else: AdamW, linear warm-up then cosine decay to 10%, bf16 autocast o
 master weights, grad-norm clip 1.0, fixed seeds; the batch at step s is drawn from
 `np.random.default_rng(seed + s)`, so a resumed run sees exactly the batches it would have.
 """
+
 from __future__ import annotations
 
 import json
@@ -92,7 +93,7 @@ def balance_loss(logits: torch.Tensor, idx: torch.Tensor, n_experts: int, k: int
 def sample_batch(data: np.ndarray, step: int, cfg: TrainConfig) -> torch.Tensor:
     rng = np.random.default_rng(cfg.seed + step)
     starts = rng.integers(0, len(data) - cfg.seq_len - 1, size=cfg.batch_size)
-    return torch.from_numpy(np.stack([data[s:s + cfg.seq_len + 1] for s in starts]).astype(np.int64))
+    return torch.from_numpy(np.stack([data[s : s + cfg.seq_len + 1] for s in starts]).astype(np.int64))
 
 
 def eval_windows(data: np.ndarray, cfg: TrainConfig) -> list[torch.Tensor]:
@@ -100,8 +101,8 @@ def eval_windows(data: np.ndarray, cfg: TrainConfig) -> list[torch.Tensor]:
     n = cfg.eval_batches * cfg.batch_size
     stride = max(cfg.seq_len + 1, (len(data) - cfg.seq_len - 1) // n)
     starts = [i * stride for i in range(n) if i * stride + cfg.seq_len + 1 <= len(data)]
-    rows = np.stack([data[s:s + cfg.seq_len + 1] for s in starts]).astype(np.int64)
-    return [torch.from_numpy(rows[i:i + cfg.batch_size]) for i in range(0, len(rows), cfg.batch_size)]
+    rows = np.stack([data[s : s + cfg.seq_len + 1] for s in starts]).astype(np.int64)
+    return [torch.from_numpy(rows[i : i + cfg.batch_size]) for i in range(0, len(rows), cfg.batch_size)]
 
 
 @torch.no_grad()
@@ -119,8 +120,12 @@ def evaluate(model, tap: RouterTap, windows, n_experts: int, bf16: bool) -> dict
     model.train()
     share = usage.double() / usage.sum(1, keepdim=True)  # [layers, E]
     entropy = (-(share * share.clamp_min(1e-12).log()).sum(1) / math.log(n_experts)).tolist()
-    return {"val_loss": tot / n, "val_ppl": math.exp(tot / n), "usage_entropy": entropy,
-            "max_share_x_uniform": (share.max(1).values * n_experts).tolist()}
+    return {
+        "val_loss": tot / n,
+        "val_ppl": math.exp(tot / n),
+        "usage_entropy": entropy,
+        "max_share_x_uniform": (share.max(1).values * n_experts).tolist(),
+    }
 
 
 def _truncate_log(log_path: Path, step: int) -> None:
@@ -170,15 +175,19 @@ def train(cfg: TrainConfig, data_dir: Path, out_dir: Path, log=print, model_conf
     n_experts, k = mcfg.n_routed_experts, mcfg.num_experts_per_tok
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.lr,
+        betas=(0.9, 0.95),
+    )
     step = 0
     if state_path.exists():
         st = torch.load(state_path, weights_only=False)
         if st["config"] != asdict(cfg):
             diff = {k: (st["config"].get(k), v) for k, v in asdict(cfg).items() if st["config"].get(k) != v}
-            raise SystemExit(f"{state_path} was made with another configuration {diff}; "
-                             f"use a new --out folder or the same flags")
+            raise SystemExit(
+                f"{state_path} was made with another configuration {diff}; use a new --out folder or the same flags"
+            )
         model.load_state_dict(st["model"])
         opt.load_state_dict(st["opt"])
         step = st["step"]
@@ -199,9 +208,17 @@ def train(cfg: TrainConfig, data_dir: Path, out_dir: Path, log=print, model_conf
             ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
             taps = tap.pop()
             if v3:  # sequence-wise: per sequence, then averaged
-                per_seq = [balance_loss(lg.view(cfg.batch_size, cfg.seq_len, -1)[b],
-                                        ix.view(cfg.batch_size, cfg.seq_len, -1)[b], n_experts, k, scoring)
-                           for lg, ix in taps for b in range(cfg.batch_size)]
+                per_seq = [
+                    balance_loss(
+                        lg.view(cfg.batch_size, cfg.seq_len, -1)[b],
+                        ix.view(cfg.batch_size, cfg.seq_len, -1)[b],
+                        n_experts,
+                        k,
+                        scoring,
+                    )
+                    for lg, ix in taps
+                    for b in range(cfg.batch_size)
+                ]
                 aux = cfg.seq_balance_alpha * torch.stack(per_seq).sum() / cfg.batch_size
             else:
                 aux = cfg.balance_alpha * sum(balance_loss(lg, ix, n_experts, k, scoring) for lg, ix in taps)
@@ -217,27 +234,39 @@ def train(cfg: TrainConfig, data_dir: Path, out_dir: Path, log=print, model_conf
                         router.e_score_correction_bias += cfg.bias_update_speed * torch.sign(c.mean() - c)
             step += 1
             tok_since += batch[:, 1:].numel()
-            rec = {"step": step, "loss": loss.item(), "ce": ce.item(), "aux": float(aux.detach()),
-                   "lr": lr_at(step - 1, cfg), "grad_norm": gnorm.item()}
+            rec = {
+                "step": step,
+                "loss": loss.item(),
+                "ce": ce.item(),
+                "aux": float(aux.detach()),
+                "lr": lr_at(step - 1, cfg),
+                "grad_norm": gnorm.item(),
+            }
             if step % cfg.eval_every == 0 or step == cfg.steps:
                 rec.update(evaluate(model, tap, windows, n_experts, cfg.bf16))
             if step % 10 == 0 or "val_loss" in rec:
                 now = time.time()
                 rec["tokens_per_s"] = tok_since / (now - t_last)
                 t_last, tok_since = now, 0
-                msg = (f"{cfg.model} step {step}/{cfg.steps} ce {rec['ce']:.3f} aux {rec['aux']:.4f} "
-                       f"{rec['tokens_per_s']:.0f} tok/s")
+                msg = (
+                    f"{cfg.model} step {step}/{cfg.steps} ce {rec['ce']:.3f} aux {rec['aux']:.4f} "
+                    f"{rec['tokens_per_s']:.0f} tok/s"
+                )
                 if "val_loss" in rec:
-                    msg += (f" val {rec['val_loss']:.3f} ent {min(rec['usage_entropy']):.3f} "
-                            f"max {max(rec['max_share_x_uniform']):.2f}x")
+                    msg += (
+                        f" val {rec['val_loss']:.3f} ent {min(rec['usage_entropy']):.3f} "
+                        f"max {max(rec['max_share_x_uniform']):.2f}x"
+                    )
                 log(msg)
             rec["tokens_seen"] = step * cfg.batch_size * cfg.seq_len
             rec["elapsed_s"] = elapsed0 + time.time() - t_start  # wall seconds over every session
             logf.write(json.dumps(rec) + "\n")
             logf.flush()
             if step % cfg.ckpt_every == 0 or step == cfg.steps:
-                _atomic_save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step,
-                              "config": asdict(cfg)}, state_path)
+                _atomic_save(
+                    {"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "config": asdict(cfg)},
+                    state_path,
+                )
     final = out_dir / "final"
     model.to(torch.bfloat16).save_pretrained(final, safe_serialization=True)
     AutoTokenizer.from_pretrained(data_dir / "tokenizer").save_pretrained(final)
@@ -265,8 +294,17 @@ BIAS_BALANCE_STEPS = 200  # ml-tiny: bias-update-only steps after the learning-r
 
 
 @torch.no_grad()
-def rebalance_bias(folder: Path, data_dir: Path, steps: int = BIAS_BALANCE_STEPS, speed: float = 1e-2,
-                   batch_size: int = 8, seq_len: int = 512, seed: int = 1234, threads: int = 1, log=print) -> dict:
+def rebalance_bias(
+    folder: Path,
+    data_dir: Path,
+    steps: int = BIAS_BALANCE_STEPS,
+    speed: float = 1e-2,
+    batch_size: int = 8,
+    seq_len: int = 512,
+    seed: int = 1234,
+    threads: int = 1,
+    log=print,
+) -> dict:
     """DeepSeek-V3's aux-loss-free balancing continued with every weight frozen: for `steps` training
     batches (drawn with seeds seed + 1_000_000 + k, disjoint from the training draws), route them,
     then b_i ← b_i + u·sign(mean load − load_i) in each MoE layer. Only the correction bias changes
@@ -295,8 +333,13 @@ def rebalance_bias(folder: Path, data_dir: Path, steps: int = BIAS_BALANCE_STEPS
     for r, b in zip(tap.routers, biases):  # the bias keeps fp32: a 0.01 step is below bf16's resolution at 1
         r.e_score_correction_bias = b
     model.save_pretrained(folder, safe_serialization=True)
-    info = {"bias_balance_steps": steps, "bias_update_speed": speed, "batch_size": batch_size, "seq_len": seq_len,
-            "seed": seed + 1_000_000}
+    info = {
+        "bias_balance_steps": steps,
+        "bias_update_speed": speed,
+        "batch_size": batch_size,
+        "seq_len": seq_len,
+        "seed": seed + 1_000_000,
+    }
     tc = folder / "training_config.json"
     conf = json.loads(tc.read_text())
     conf["bias_rebalance"] = info

@@ -25,6 +25,7 @@ The engine feeds token ids from the Hugging Face tokenizer, so llama.cpp's token
 used to encode; the vocabulary is written so the file is complete (pre-tokenizer `gpt-2` for the
 byte-level BPE the tiny models use — verified to give the same ids).
 """
+
 from __future__ import annotations
 
 import os
@@ -114,8 +115,10 @@ def _metadata(w, cfg, folder: Path, qtype: str, shared_count: int, used_count: i
         w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         w.add_rope_scaling_factor(rope["factor"])
         w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
-        for key, add in (("beta_fast", w.add_rope_scaling_yarn_beta_fast),
-                         ("beta_slow", w.add_rope_scaling_yarn_beta_slow)):
+        for key, add in (
+            ("beta_fast", w.add_rope_scaling_yarn_beta_fast),
+            ("beta_slow", w.add_rope_scaling_yarn_beta_slow),
+        ):
             if key in rope:
                 add(rope[key])
         if rope.get("mscale_all_dim") is not None:
@@ -135,8 +138,11 @@ def head_tensors(folder: Path, cfg, draft=None):
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.DEEPSEEK2, cfg.num_hidden_layers)
     n_ff = cfg.moe_intermediate_size
     for key in ckpt.keys():
-        if (".mlp.experts." in key
-                or key.startswith("model.layers.") and int(key.split(".")[2]) >= cfg.num_hidden_layers):
+        if (
+            ".mlp.experts." in key
+            or key.startswith("model.layers.")
+            and int(key.split(".")[2]) >= cfg.num_hidden_layers
+        ):
             continue  # routed experts live in split 2; MTP layers are not decoded
         t = ckpt.get(key).float()
         layer = int(key.split(".")[2]) if key.startswith("model.layers.") else None
@@ -211,4 +217,3 @@ def link_experts(prefix: Path, expert_file: Path) -> Path:
         link.unlink()
     os.symlink(os.path.relpath(expert_file, link.parent), link)
     return link
-

@@ -44,6 +44,7 @@ Pieces:
   greedily on this engine (the round's sampler would run, but its distribution is tested on the
   torch engine only).
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -67,8 +68,11 @@ from draftexpert.runtime.model import route
 
 PAGE = mmap.PAGESIZE
 MADV_RANDOM, MADV_DONTNEED, MADV_POPULATE_READ = 1, 4, 22  # Linux values
-POSIX_FADV_RANDOM, POSIX_FADV_WILLNEED, POSIX_FADV_DONTNEED = (os.POSIX_FADV_RANDOM, os.POSIX_FADV_WILLNEED,
-                                                              os.POSIX_FADV_DONTNEED)
+POSIX_FADV_RANDOM, POSIX_FADV_WILLNEED, POSIX_FADV_DONTNEED = (
+    os.POSIX_FADV_RANDOM,
+    os.POSIX_FADV_WILLNEED,
+    os.POSIX_FADV_DONTNEED,
+)
 _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
 _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
@@ -83,8 +87,9 @@ class _CachestatRange(ctypes.Structure):
 
 
 class _Cachestat(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_uint64) for n in ("nr_cache", "nr_dirty", "nr_writeback", "nr_evicted",
-                                               "nr_recently_evicted")]
+    _fields_ = [
+        (n, ctypes.c_uint64) for n in ("nr_cache", "nr_dirty", "nr_writeback", "nr_evicted", "nr_recently_evicted")
+    ]
 
 
 def _cachestat_syscall():
@@ -119,9 +124,11 @@ def require_llama_cpp():
     try:
         import llama_cpp  # noqa: PLC0415  (llama-cpp-python, the optional extra `llamacpp`)
     except ImportError as e:
-        raise LlamaCppError("the llama.cpp engine needs llama-cpp-python: "
-                            "CMAKE_ARGS='-DGGML_NATIVE=OFF' pip install -e '.[llamacpp]' (builds from source, ~12 min; "
-                            "see README)") from e
+        raise LlamaCppError(
+            "the llama.cpp engine needs llama-cpp-python: "
+            "CMAKE_ARGS='-DGGML_NATIVE=OFF' pip install -e '.[llamacpp]' (builds from source, ~12 min; "
+            "see README)"
+        ) from e
     return llama_cpp
 
 
@@ -139,8 +146,15 @@ class LlamaModel:
     """One llama.cpp model with its own context (KV cache, `kv_type`), logits for every evaluated
     position, and router taps filled by each `eval`: `topk[l]` [T, k] int, `router_logits[l]` [T, E]."""
 
-    def __init__(self, head: Path, n_ctx: int = 2048, threads: int = 1, used_experts: int | None = None,
-                 tap_router_logits: bool = False, kv_type: str = "f16"):
+    def __init__(
+        self,
+        head: Path,
+        n_ctx: int = 2048,
+        threads: int = 1,
+        used_experts: int | None = None,
+        tap_router_logits: bool = False,
+        kv_type: str = "f16",
+    ):
         llama_cpp = require_llama_cpp()
         self.topk: dict[int, np.ndarray] = {}
         self.router_logits: dict[int, np.ndarray] = {}
@@ -155,10 +169,19 @@ class LlamaModel:
         overrides = {"deepseek2.expert_used_count": used_experts} if used_experts else None
         with _default_params(llama_cpp, self._callback):  # Llama() has no argument for either
             try:
-                self.llm = llama_cpp.Llama(model_path=str(head), n_ctx=n_ctx, n_batch=min(n_ctx, 2048), logits_all=True,
-                                           n_threads=threads, n_threads_batch=threads, use_mmap=True,
-                                           kv_overrides=overrides, verbose=False, type_k=KV_TYPES[kv_type],
-                                           type_v=KV_TYPES[kv_type])
+                self.llm = llama_cpp.Llama(
+                    model_path=str(head),
+                    n_ctx=n_ctx,
+                    n_batch=min(n_ctx, 2048),
+                    logits_all=True,
+                    n_threads=threads,
+                    n_threads_batch=threads,
+                    use_mmap=True,
+                    kv_overrides=overrides,
+                    verbose=False,
+                    type_k=KV_TYPES[kv_type],
+                    type_v=KV_TYPES[kv_type],
+                )
             except ValueError as e:
                 raise LlamaCppError(f"{head}: llama.cpp could not load this model ({e})") from e
 
@@ -199,9 +222,10 @@ class LlamaModel:
         if self._hook_error is not None:
             raise self._hook_error
         self.topk = {layer: np.concatenate(p) for (kind, layer), p in self._parts.items() if kind == "ffn_moe_topk"}
-        self.router_logits = {layer: np.concatenate(p) for (kind, layer), p in self._parts.items()
-                              if kind == "ffn_moe_logits"}
-        return self.llm.scores[n0:n0 + len(tokens)]
+        self.router_logits = {
+            layer: np.concatenate(p) for (kind, layer), p in self._parts.items() if kind == "ffn_moe_logits"
+        }
+        return self.llm.scores[n0 : n0 + len(tokens)]
 
     def rollback(self, n: int) -> None:
         """Forget positions ≥ n (the next `eval` removes their KV with llama_memory_seq_rm)."""
@@ -219,8 +243,13 @@ _EVAL_CALLBACK = ctypes.CFUNCTYPE(ctypes.c_bool, ctypes.c_void_p, ctypes.c_bool,
 
 class _GgmlTensorHead(ctypes.Structure):
     """The first fields of `struct ggml_tensor` (ggml.h): type, buffer, ne[4], nb[4] (bytes)."""
-    _fields_ = [("type", ctypes.c_int), ("buffer", ctypes.c_void_p), ("ne", ctypes.c_int64 * 4),
-                ("nb", ctypes.c_size_t * 4)]
+
+    _fields_ = [
+        ("type", ctypes.c_int),
+        ("buffer", ctypes.c_void_p),
+        ("ne", ctypes.c_int64 * 4),
+        ("nb", ctypes.c_size_t * 4),
+    ]
 
 
 def _ggml_lib(llama_cpp):
@@ -391,11 +420,12 @@ class ExpertPages:
 # -- the engine ---------------------------------------------------------------------------
 STAGING = {  # how the routed experts reach llama.cpp (recorded in every record's method_args)
     "demand": "whole experts staged on demand from the router tap (fadvise WILLNEED, all of a layer's in flight, "
-              "then MADV_POPULATE_READ into llama.cpp's mapping) before the expert matmuls; split evicted at every "
-              "step/round (madvise + fadvise DONTNEED)",
+    "then MADV_POPULATE_READ into llama.cpp's mapping) before the expert matmuls; split evicted at every "
+    "step/round (madvise + fadvise DONTNEED)",
     "pagefault": "mmap page faults; expert pages evicted after every step/round (madvise + fadvise DONTNEED)",
     "resident": "every expert read into the page cache at the start, never evicted",
 }
+
 
 def routed(model: LlamaModel, rows: slice = slice(None)) -> set[tuple[int, int]]:
     """{(layer, expert)} llama.cpp ran over the given positions of the last eval."""
@@ -419,8 +449,15 @@ class LlamaEngine:
     and the stall: the load hook's wait (staging "demand"); NaN under "pagefault" (inside
     llama.cpp's faults, not observable); 0 when resident."""
 
-    def __init__(self, target: LlamaModel, pages: ExpertPages, drafter: LlamaModel | None = None,
-                 router: tuple | None = None, name: str = "ar", staging: str = "demand"):
+    def __init__(
+        self,
+        target: LlamaModel,
+        pages: ExpertPages,
+        drafter: LlamaModel | None = None,
+        router: tuple | None = None,
+        name: str = "ar",
+        staging: str = "demand",
+    ):
         if staging not in STAGING:
             raise ValueError(f"--staging: {staging!r} is not one of {', '.join(STAGING)}")
         if drafter is not None and build_info().get("LLAMAFILE") == "1":
@@ -428,7 +465,8 @@ class LlamaEngine:
                 "this llama.cpp build multiplies with llamafile's sgemm, whose results depend on the batch size: a "
                 "verify block would not compute what one-token AR steps compute, and speculation would not be exact. "
                 "Rebuild: CMAKE_ARGS='-DGGML_NATIVE=OFF -DGGML_LLAMAFILE=OFF' pip install --no-cache-dir "
-                "--force-reinstall llama-cpp-python==0.3.36 (README)")
+                "--force-reinstall llama-cpp-python==0.3.36 (README)"
+            )
         if drafter is not None and router is None:
             raise ValueError("a drafter needs the target's router (ModelConfig, biases) to predict verifier experts")
         self.target, self.drafter, self.pages, self.router, self.name = target, drafter, pages, router, name
@@ -510,8 +548,11 @@ class LlamaEngine:
 
     def predicted(self) -> set[tuple[int, int]]:
         cfg, bias = self.router
-        return {(layer, e) for layer, z in self.drafter.router_logits.items()
-                for e in route(torch.from_numpy(z[-1:]), cfg, cfg.top_k, bias.get(layer))[1][0].tolist()}
+        return {
+            (layer, e)
+            for layer, z in self.drafter.router_logits.items()
+            for e in route(torch.from_numpy(z[-1:]), cfg, cfg.top_k, bias.get(layer))[1][0].tolist()
+        }
 
     def resident(self) -> set[tuple[int, int]]:
         """The experts in the page cache: of those staged, faulted or prefetched since the last
@@ -559,8 +600,10 @@ class LlamaEngine:
         cached = self.pages.cached_pages()
         if self.staging == "resident":
             if cached < self.pages.region_pages:
-                raise RuntimeError(f"{self.pages.path}: the page cache dropped expert pages during a resident run "
-                                   "(memory pressure?), so it was not the resident bound; free memory and rerun")
+                raise RuntimeError(
+                    f"{self.pages.path}: the page cache dropped expert pages during a resident run "
+                    "(memory pressure?), so it was not the resident bound; free memory and rerun"
+                )
             return {"ledger": self.ledger.summary(), "page_cache_bytes": 0}
         return {"ledger": self.ledger.summary(), "page_cache_bytes": self.page_cache_bytes + cached * PAGE}
 

@@ -3,6 +3,7 @@
 speculative decoder's output must equal token for token; it is not the AR-offload baseline
 (which runs on the expert-offload runtime and pays for expert movement).
 """
+
 from __future__ import annotations
 
 import time
@@ -41,8 +42,9 @@ class ReferenceDecoder:
 
     @torch.inference_mode()
     def generate(self, prompt_ids: list[int], max_new_tokens: int, eos_token_id: int | None = None) -> DecodeOutput:
-        check_context(self.positions(len(prompt_ids), max_new_tokens), self.context_length, len(prompt_ids),
-                      max_new_tokens)
+        check_context(
+            self.positions(len(prompt_ids), max_new_tokens), self.context_length, len(prompt_ids), max_new_tokens
+        )
         ids = torch.tensor([prompt_ids], dtype=torch.long)
         t0 = time.perf_counter()
         logits, cache = prefill(self.model, ids)

@@ -7,6 +7,7 @@ every count the store's ledger's. A round is the store's block (`begin_block` / 
 experts moved during it stay until it ends, so a cold verifier reuses what the drafter or a
 prefetch moved; nothing outlives it unless the store's LRU cache keeps it.
 """
+
 from __future__ import annotations
 
 import torch

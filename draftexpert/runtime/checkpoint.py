@@ -1,5 +1,6 @@
 """A target checkpoint in a local Hugging Face folder (never the network): loading it, and the
 fingerprint of its weights — the identity results and draft experts are paired with."""
+
 from __future__ import annotations
 
 import hashlib
@@ -18,18 +19,24 @@ def load_target(folder: Path, dtype: torch.dtype = torch.float32):
     """(model, tokenizer) from a local folder in Hugging Face format, in eval mode."""
     folder = Path(folder)
     if not list(folder.glob("*.safetensors")):
-        raise CheckpointError(f"{folder} holds no *.safetensors weights "
-                              f"(only {', '.join(sorted(p.name for p in folder.iterdir())) or 'nothing'})")
+        raise CheckpointError(
+            f"{folder} holds no *.safetensors weights "
+            f"(only {', '.join(sorted(p.name for p in folder.iterdir())) or 'nothing'})"
+        )
     try:
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True)
     except Exception as e:  # noqa: BLE001 - transformers raises OSError, ValueError, safetensors' own
-        raise CheckpointError(f"the weights in {folder} could not be loaded by transformers "
-                              f"({type(e).__name__}: {str(e).splitlines()[0][:200]}); is a shard truncated?") from None
+        raise CheckpointError(
+            f"the weights in {folder} could not be loaded by transformers "
+            f"({type(e).__name__}: {str(e).splitlines()[0][:200]}); is a shard truncated?"
+        ) from None
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     except Exception as e:  # noqa: BLE001
-        raise CheckpointError(f"the tokenizer in {folder} could not be loaded ({type(e).__name__}); the folder "
-                              "needs tokenizer.json / tokenizer_config.json beside config.json") from None
+        raise CheckpointError(
+            f"the tokenizer in {folder} could not be loaded ({type(e).__name__}); the folder "
+            "needs tokenizer.json / tokenizer_config.json beside config.json"
+        ) from None
     return model.eval(), tokenizer
 
 
@@ -108,12 +115,21 @@ def write_dense_counterpart(folder: Path, out: Path) -> Path:
                 gate = torch.cat([ckpt.get(f"{p}experts.{e}.gate_proj.weight") for e in range(k)])
                 up = torch.cat([ckpt.get(f"{p}experts.{e}.up_proj.weight") for e in range(k)])
                 down = torch.cat([ckpt.get(f"{p}experts.{e}.down_proj.weight") for e in range(k)], 1)
-            tensors |= {p + "experts.0.gate_proj.weight": gate, p + "experts.0.up_proj.weight": up,
-                        p + "experts.0.down_proj.weight": (down.float() / k).to(down.dtype)}
+            tensors |= {
+                p + "experts.0.gate_proj.weight": gate,
+                p + "experts.0.up_proj.weight": up,
+                p + "experts.0.down_proj.weight": (down.float() / k).to(down.dtype),
+            }
         shard(f"model-{'head' if layer is None else f'layer{layer:03d}'}.safetensors", tensors)
     raw = json.loads((Path(folder) / "config.json").read_text())
-    raw |= {"n_routed_experts": 1, "num_experts_per_tok": 1, "moe_intermediate_size": k * inter, "n_group": 1,
-            "topk_group": 1, "routed_scaling_factor": 1.0}
+    raw |= {
+        "n_routed_experts": 1,
+        "num_experts_per_tok": 1,
+        "moe_intermediate_size": k * inter,
+        "n_group": 1,
+        "topk_group": 1,
+        "routed_scaling_factor": 1.0,
+    }
     (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
     (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1))
     return out

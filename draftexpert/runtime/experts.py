@@ -23,6 +23,7 @@ Cache: `cache_experts` expert slots kept on the accelerator between forwards (LR
 paper's cold setting — keeps nothing, so every forward loads all it needs (each unique expert once).
 Every fetch reports requested / loaded / bytes / stall to the `Ledger`.
 """
+
 from __future__ import annotations
 
 import threading
@@ -93,8 +94,14 @@ class ExpertBuffers:
 class ExpertStore:
     name = "base"
 
-    def __init__(self, device: torch.device | str = "cpu", cache_experts: int = 0, ledger: Ledger | None = None,
-                 dtype: torch.dtype = torch.float32, working_set_bytes: int = 0):
+    def __init__(
+        self,
+        device: torch.device | str = "cpu",
+        cache_experts: int = 0,
+        ledger: Ledger | None = None,
+        dtype: torch.dtype = torch.float32,
+        working_set_bytes: int = 0,
+    ):
         self.device = torch.device(device)
         self.dtype = dtype
         self.capacity = cache_experts
@@ -279,8 +286,8 @@ class HostPool:
         self.gate_up, self.down = {}, {}
         for j, layer in enumerate(layers):
             base = j * (per_gu + per_dn)
-            self.gate_up[layer] = self.flat[base:base + per_gu].view(experts, 2 * inter, hidden)
-            self.down[layer] = self.flat[base + per_gu:base + per_gu + per_dn].view(experts, hidden, inter)
+            self.gate_up[layer] = self.flat[base : base + per_gu].view(experts, 2 * inter, hidden)
+            self.down[layer] = self.flat[base + per_gu : base + per_gu + per_dn].view(experts, hidden, inter)
         self.pinned = False
 
     @property
@@ -293,8 +300,10 @@ class HostPool:
             return
         rc = torch.cuda.cudart().cudaHostRegister(self.flat.data_ptr(), self.flat.nbytes, 0)
         if int(rc) != 0:
-            raise RuntimeError(f"cudaHostRegister of the {self.flat.nbytes / 2**30:.1f} GiB expert pool failed "
-                               f"(error {int(rc)}): not enough lockable memory? (ulimit -l, or a smaller model)")
+            raise RuntimeError(
+                f"cudaHostRegister of the {self.flat.nbytes / 2**30:.1f} GiB expert pool failed "
+                f"(error {int(rc)}): not enough lockable memory? (ulimit -l, or a smaller model)"
+            )
         self.pinned = True
 
     def unpin(self) -> None:
@@ -308,8 +317,9 @@ class HostStore(ExpertStore):
 
     name = "host"
 
-    def __init__(self, gate_up: dict[int, torch.Tensor], down: dict[int, torch.Tensor], pool: HostPool | None = None,
-                 **kw):
+    def __init__(
+        self, gate_up: dict[int, torch.Tensor], down: dict[int, torch.Tensor], pool: HostPool | None = None, **kw
+    ):
         super().__init__(**kw)
         cuda = self.device.type == "cuda"
         self.pool = pool
@@ -372,10 +382,10 @@ class HostStore(ExpertStore):
 
 STAGING = {  # how the flash store reads an expert (recorded in every record's method_args)
     "demand": "whole experts on demand: readahead (fadvise WILLNEED) of every expert a forward needs, all in "
-              "flight in the kernel, then a buffered read of each, decoded on the forward's thread as it arrives; "
-              "the file's pages dropped after every AR step and round",
+    "flight in the kernel, then a buffered read of each, decoded on the forward's thread as it arrives; "
+    "the file's pages dropped after every AR step and round",
     "odirect": "whole experts on demand with O_DIRECT, read and decoded by a pool of reader threads (several "
-               "reads in flight)",
+    "reads in flight)",
 }
 
 
@@ -391,8 +401,15 @@ class FlashStore(ExpertStore):
 
     name = "flash"
 
-    def __init__(self, path: Path, io_threads: int = 6, staging_budget_bytes: int = 0, staging: str = "demand",
-                 kernel: str = "dequant", **kw):
+    def __init__(
+        self,
+        path: Path,
+        io_threads: int = 6,
+        staging_budget_bytes: int = 0,
+        staging: str = "demand",
+        kernel: str = "dequant",
+        **kw,
+    ):
         if staging not in STAGING:
             raise ValueError(f"--staging: {staging!r} is not one of {', '.join(STAGING)}")
         super().__init__(**kw)
@@ -408,8 +425,9 @@ class FlashStore(ExpertStore):
         self.staged_bytes = 0
         # CPU accelerator: experts decoded into reused buffers (`ExpertBuffers`); CUDA's caching
         # allocator already reuses device memory
-        self.buffers = ExpertBuffers() if self.device.type == "cpu" and hasattr(torch._C, "_storage_Use_Count") \
-            else None
+        self.buffers = (
+            ExpertBuffers() if self.device.type == "cpu" and hasattr(torch._C, "_storage_Use_Count") else None
+        )
 
     def expert_bytes(self, key):
         return 0 if key in self.staged else self.file.expert_nbytes(key[0])

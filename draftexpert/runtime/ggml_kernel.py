@@ -17,6 +17,7 @@ what one-token steps compute, so speculative decoding stays exact (llama.cpp bui
 llamafile's sgemm, as the Makefile builds it; `tests/test_runtime.py` checks row by row).
 No autograd: distillation through the runtime (`RuntimeTeacher`) uses the dequantising kernel.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -53,20 +54,26 @@ def ggml_library(name: str) -> Path | None:
 def _libs():
     paths = ggml_library("ggml-base"), ggml_library("ggml-cpu")
     if None in paths:
-        raise KernelError("--expert-kernel ggml needs llama-cpp-python (ggml's CPU kernels): `make install` "
-                          "builds it, or use --expert-kernel dequant")
+        raise KernelError(
+            "--expert-kernel ggml needs llama-cpp-python (ggml's CPU kernels): `make install` "
+            "builds it, or use --expert-kernel dequant"
+        )
     lib = paths[0].parent
     try:
         base, cpu = (ctypes.CDLL(str(p)) for p in paths)
     except OSError as e:
         raise KernelError(f"ggml's libraries in {lib} did not load ({e}); use --expert-kernel dequant") from e
     vp, i64 = ctypes.c_void_p, ctypes.c_int64
-    for name, args, res in [("ggml_init", [_InitParams], vp), ("ggml_free", [vp], None),
-                            ("ggml_new_tensor_2d", [vp, ctypes.c_int, i64, i64], vp),
-                            ("ggml_mul_mat", [vp, vp, vp], vp), ("ggml_swiglu", [vp, vp], vp),
-                            ("ggml_get_data", [vp], vp),
-                            ("ggml_new_graph_custom", [vp, ctypes.c_size_t, ctypes.c_bool], vp),
-                            ("ggml_build_forward_expand", [vp, vp], None)]:
+    for name, args, res in [
+        ("ggml_init", [_InitParams], vp),
+        ("ggml_free", [vp], None),
+        ("ggml_new_tensor_2d", [vp, ctypes.c_int, i64, i64], vp),
+        ("ggml_mul_mat", [vp, vp, vp], vp),
+        ("ggml_swiglu", [vp, vp], vp),
+        ("ggml_get_data", [vp], vp),
+        ("ggml_new_graph_custom", [vp, ctypes.c_size_t, ctypes.c_bool], vp),
+        ("ggml_build_forward_expand", [vp, vp], None),
+    ]:
         f = getattr(base, name)
         f.argtypes, f.restype = args, res
     cpu.ggml_graph_compute_with_ctx.argtypes = [vp, vp, ctypes.c_int]
@@ -104,8 +111,9 @@ class _Ggml:
         finally:
             b.ggml_free(ctx)
         if len(found) != 1:
-            raise KernelError("this ggml build's tensor struct is not the one this kernel knows; "
-                              "use --expert-kernel dequant")
+            raise KernelError(
+                "this ggml build's tensor struct is not the one this kernel knows; use --expert-kernel dequant"
+            )
         return found[0]
 
     def _graph(self, arena, n: int, H: int, shapes: tuple[tuple[int, int], ...]):
@@ -137,8 +145,9 @@ class _Ggml:
         """x [n, H] fp32 → down · swiglu(gate_up · x) [n, H] on the Q4_0 pair (uint8 rows)."""
         H, I2 = x.shape[1], gate_up.shape[0]
         if gate_up.shape[1] * Q4_0_BLOCK != H * Q4_0_BYTES or down.shape[1] * Q4_0_BLOCK * 2 != I2 * Q4_0_BYTES:
-            raise KernelError(f"not a Q4_0 expert for hidden {H}: gate_up {tuple(gate_up.shape)}, "
-                              f"down {tuple(down.shape)}")
+            raise KernelError(
+                f"not a Q4_0 expert for hidden {H}: gate_up {tuple(gate_up.shape)}, down {tuple(down.shape)}"
+            )
         return self._run(x, (gate_up, down), ((I2, H), (down.shape[0], I2 // 2)))
 
     def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -189,8 +198,9 @@ _KERNEL: _Ggml | None = None
 def _kernel_for(x: torch.Tensor) -> _Ggml:
     global _KERNEL
     if x.requires_grad:
-        raise KernelError("the ggml expert kernel has no backward: distil through the runtime with "
-                          "--expert-kernel dequant")
+        raise KernelError(
+            "the ggml expert kernel has no backward: distil through the runtime with --expert-kernel dequant"
+        )
     if not x.is_cpu:
         raise KernelError(f"the ggml expert kernel runs on the CPU, not {x.device}")
     if _KERNEL is None:
@@ -214,12 +224,13 @@ def quantize_q4_0(w: torch.Tensor, rows_at_once: int = 4096) -> torch.Tensor:
     Quantised `rows_at_once` rows at a time: the quantiser's float temporaries stay a few MB even
     for DS-V2-Lite's LM head (102,400 rows)."""
     if w.ndim != 2 or w.shape[1] % Q4_0_BLOCK:
-        raise KernelError(f"Q4_0 quantises rows of whole {Q4_0_BLOCK}-weight blocks; got a matrix of shape "
-                          f"{tuple(w.shape)}")
+        raise KernelError(
+            f"Q4_0 quantises rows of whole {Q4_0_BLOCK}-weight blocks; got a matrix of shape {tuple(w.shape)}"
+        )
     out = torch.empty(w.shape[0], w.shape[1] // Q4_0_BLOCK * Q4_0_BYTES, dtype=torch.uint8)
     for i in range(0, w.shape[0], rows_at_once):
-        rows = w[i:i + rows_at_once].detach().float().cpu().numpy()
-        out[i:i + rows_at_once] = torch.from_numpy(gguf.quants.quantize(rows, gguf.GGMLQuantizationType.Q4_0))
+        rows = w[i : i + rows_at_once].detach().float().cpu().numpy()
+        out[i : i + rows_at_once] = torch.from_numpy(gguf.quants.quantize(rows, gguf.GGMLQuantizationType.Q4_0))
     return out
 
 
@@ -228,8 +239,10 @@ def check_kernel(kernel: str, expert_type: str | None, device: str) -> None:
     if kernel not in KERNELS:
         raise KernelError(f"--expert-kernel: {kernel!r} is not one of {', '.join(KERNELS)}")
     if kernel == "ggml" and (expert_type != "q4_0" or torch.device(device).type != "cpu"):
-        raise KernelError(f"--expert-kernel ggml computes Q4_0 experts on the CPU (here: "
-                          f"{expert_type or 'the checkpoint'} experts on {device}); use --expert-kernel dequant")
+        raise KernelError(
+            f"--expert-kernel ggml computes Q4_0 experts on the CPU (here: "
+            f"{expert_type or 'the checkpoint'} experts on {device}); use --expert-kernel dequant"
+        )
 
 
 def available() -> bool:

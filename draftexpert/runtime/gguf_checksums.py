@@ -7,6 +7,7 @@ size, mtime and inode when they match, so the next open checks only those (cheap
 everything again only when the file has changed since — or when asked (`full=True`, what
 `bench convert --verify` does).
 """
+
 from __future__ import annotations
 
 import hashlib

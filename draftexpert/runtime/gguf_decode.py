@@ -8,6 +8,7 @@ in parallel; measured ~4× faster than the same arithmetic as torch ops on this 
 torch ops — the two are tested equal.
 
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -30,14 +31,28 @@ def _ggml_q4_0():
 _Q4_0 = _ggml_q4_0()
 
 
-def decode(buf, offset: int, nbytes: int, qtype: str, shape: tuple[int, int], device, dtype,
-           use_ggml: bool = True, out: torch.Tensor | None = None) -> torch.Tensor:
+def decode(
+    buf,
+    offset: int,
+    nbytes: int,
+    qtype: str,
+    shape: tuple[int, int],
+    device,
+    dtype,
+    use_ggml: bool = True,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """`nbytes` file bytes at `offset` of `buf` holding a [rows, cols] matrix → a tensor in `dtype`
     on `device`, new or `out` (dequantised on the host by ggml for Q4_0 on a CPU accelerator, else
     moved raw and dequantised there; never a view of the staging buffer)."""
     raw = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=offset)
-    if qtype == "q4_0" and use_ggml and _Q4_0 is not None and torch.device(device).type == "cpu" \
-            and (out is None or out.dtype == torch.float32):
+    if (
+        qtype == "q4_0"
+        and use_ggml
+        and _Q4_0 is not None
+        and torch.device(device).type == "cpu"
+        and (out is None or out.dtype == torch.float32)
+    ):
         dst = out if out is not None else torch.empty(shape, dtype=torch.float32)
         _Q4_0(raw.data_ptr(), dst.data_ptr(), dst.numel())
         return dst if dtype == torch.float32 else dst.to(dtype)

@@ -19,6 +19,7 @@ llama.cpp's layout means the same file serves llama.cpp (platform mn's second en
 A file this suite wrote is checked against its checksums before it is read (`gguf_checksums`); it is
 written by `gguf_write` and its bytes decoded by `gguf_decode`.
 """
+
 from __future__ import annotations
 
 import mmap
@@ -65,15 +66,19 @@ class ExpertFile:
         if checksum_path(self.path).exists():  # written by this suite: never read damaged bytes
             problem = verify_checksums(self.path)
             if problem:
-                raise ExpertFileError(f"{self.path} is damaged: {problem}; delete it (and its .sha256.json) and "
-                                      "rebuild it with `bench convert`")
+                raise ExpertFileError(
+                    f"{self.path} is damaged: {problem}; delete it (and its .sha256.json) and "
+                    "rebuild it with `bench convert`"
+                )
         try:
             reader = gguf.GGUFReader(str(self.path))
         except Exception as e:  # noqa: BLE001 - gguf raises ValueError/struct.error/IndexError on damage
             raise ExpertFileError(f"{self.path}: not a readable GGUF file ({type(e).__name__}: {e})") from e
         names = {
-            gguf.GGMLQuantizationType.F32: "f32", gguf.GGMLQuantizationType.F16: "f16",
-            gguf.GGMLQuantizationType.BF16: "bf16", gguf.GGMLQuantizationType.Q4_0: "q4_0",
+            gguf.GGMLQuantizationType.F32: "f32",
+            gguf.GGMLQuantizationType.F16: "f16",
+            gguf.GGMLQuantizationType.BF16: "bf16",
+            gguf.GGMLQuantizationType.Q4_0: "q4_0",
         }
         size = self.path.stat().st_size
         self.slices: dict[tuple[int, str], _Slice] = {}
@@ -81,16 +86,20 @@ class ExpertFile:
             parts = t.name.split(".")
             if len(parts) != 4 or parts[0] != "blk" or not parts[2].endswith("_exps"):
                 continue
-            layer, part = int(parts[1]), parts[2][len("ffn_"):-len("_exps")]
+            layer, part = int(parts[1]), parts[2][len("ffn_") : -len("_exps")]
             if t.tensor_type not in names:
-                raise ExpertFileError(f"{self.path}: tensor {t.name} has type {t.tensor_type.name}; "
-                                      f"supported: {', '.join(TYPES)}")
+                raise ExpertFileError(
+                    f"{self.path}: tensor {t.name} has type {t.tensor_type.name}; supported: {', '.join(TYPES)}"
+                )
             n_exp, rows, cols = int(t.shape[2]), int(t.shape[1]), int(t.shape[0])  # ggml order reversed
             if t.data_offset + t.n_bytes > size:
-                raise ExpertFileError(f"{self.path}: truncated — tensor {t.name} ends at byte "
-                                      f"{t.data_offset + t.n_bytes:,} but the file has {size:,}")
-            self.slices[(layer, part)] = _Slice(t.data_offset, t.n_bytes // n_exp, (rows, cols), names[t.tensor_type],
-                                                n_exp)
+                raise ExpertFileError(
+                    f"{self.path}: truncated — tensor {t.name} ends at byte "
+                    f"{t.data_offset + t.n_bytes:,} but the file has {size:,}"
+                )
+            self.slices[(layer, part)] = _Slice(
+                t.data_offset, t.n_bytes // n_exp, (rows, cols), names[t.tensor_type], n_exp
+            )
         if not self.slices:
             raise ExpertFileError(f"{self.path}: holds no routed-expert tensors (blk.N.ffn_*_exps.weight)")
         self.qtype = next(iter(self.slices.values())).qtype  # the experts' type (the writer gives every slice one)
@@ -98,9 +107,12 @@ class ExpertFile:
         for layer in self.layers:
             missing = [p for p in PARTS if (layer, p) not in self.slices]
             if missing:
-                older = (" (separate gate and up tensors: an older version of this suite, or another converter, "
-                         "wrote it; delete it and rebuild it with `bench convert`)" if (layer, "gate") in self.slices
-                         else "")
+                older = (
+                    " (separate gate and up tensors: an older version of this suite, or another converter, "
+                    "wrote it; delete it and rebuild it with `bench convert`)"
+                    if (layer, "gate") in self.slices
+                    else ""
+                )
                 raise ExpertFileError(f"{self.path}: layer {layer} lacks ffn_{'/'.join(missing)}_exps{older}")
         # 0 buffers: an index only (no reads); `direct`: `read_expert` too (O_DIRECT)
         self.fd = self._open() if staging_buffers and direct else -1
@@ -119,8 +131,10 @@ class ExpertFile:
         try:
             fd = os.open(self.path, os.O_RDONLY | os.O_DIRECT)
         except OSError as e:
-            raise ExpertFileError(f"{self.path}: cannot open with O_DIRECT ({e.strerror}); the file system "
-                                  "(tmpfs?) does not support direct I/O — put the file on a real disk") from e
+            raise ExpertFileError(
+                f"{self.path}: cannot open with O_DIRECT ({e.strerror}); the file system "
+                "(tmpfs?) does not support direct I/O — put the file on a real disk"
+            ) from e
         return fd
 
     def n_experts(self, layer: int) -> int:
@@ -135,8 +149,10 @@ class ExpertFile:
         return offset // ALIGN * ALIGN, -(-(offset + nbytes) // ALIGN) * ALIGN
 
     def _staging_size(self) -> int:
-        return max(sum(ALIGN + -(-s.nbytes // ALIGN) * ALIGN for s in (self.slices[(layer, p)] for p in PARTS))
-                   for layer in self.layers)
+        return max(
+            sum(ALIGN + -(-s.nbytes // ALIGN) * ALIGN for s in (self.slices[(layer, p)] for p in PARTS))
+            for layer in self.layers
+        )
 
     def read_expert(self, layer: int, e: int) -> RawExpert:
         """Two O_DIRECT reads (gate_up and down slices of expert e) into one pooled, page-aligned
@@ -155,10 +171,14 @@ class ExpertFile:
         try:
             for part, (off, n) in zip(PARTS, self.ranges(layer, e)):
                 start, end = self._envelope(off, n) if direct else (off, off + n)
-                if os.preadv(self.fd if direct else self.fd_cached, [view[pos:pos + end - start]], start) \
-                        < off + n - start:
-                    raise ExpertFileError(f"{self.path}: short read of {part} expert {e} of layer {layer} "
-                                          f"at byte {off:,}: file truncated?")
+                if (
+                    os.preadv(self.fd if direct else self.fd_cached, [view[pos : pos + end - start]], start)
+                    < off + n - start
+                ):
+                    raise ExpertFileError(
+                        f"{self.path}: short read of {part} expert {e} of layer {layer} "
+                        f"at byte {off:,}: file truncated?"
+                    )
                 offsets.append(pos + off - start)
                 pos += end - start
         except BaseException:
@@ -190,7 +210,7 @@ class ExpertFile:
 
     def stage_copy(self, raw: RawExpert) -> RawExpert:
         """A copy of the expert's bytes that outlives the staging buffer (the DRAM staging budget)."""
-        parts = [bytes(raw.buf[o:o + self.slices[(raw.layer, p)].nbytes]) for o, p in zip(raw.offsets, PARTS)]
+        parts = [bytes(raw.buf[o : o + self.slices[(raw.layer, p)].nbytes]) for o, p in zip(raw.offsets, PARTS)]
         joined = bytearray(b"".join(parts))
         return RawExpert(raw.layer, joined, (0, len(parts[0])), pooled=False)
 
@@ -206,8 +226,9 @@ class ExpertFile:
         (a, b), (c, d) = self.expert_shapes(layer)
         return a * b + c * d
 
-    def dequantize(self, raw: RawExpert, device, dtype, out: torch.Tensor | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    def dequantize(
+        self, raw: RawExpert, device, dtype, out: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(gate_up [2I, H], down [H, I]) in `dtype` on `device`: views of one flat tensor, new or
         `out` (contiguous, `expert_numel` elements); returns a pooled buffer to the pool. Gate_up
         and down adjacent in the buffer (`read_expert_cached`) decode in one call."""
@@ -219,13 +240,22 @@ class ExpertFile:
             out = torch.empty(n_gu + down_shape[0] * down_shape[1], device=device, dtype=dtype)
         try:
             if od == ogu + gu.nbytes:  # the whole expert in one run of bytes: one decode
-                decode(raw.buf, ogu, gu.nbytes + d.nbytes, gu.qtype, (1, out.numel()), device, dtype,
-                       out=out.view(1, -1))
+                decode(
+                    raw.buf, ogu, gu.nbytes + d.nbytes, gu.qtype, (1, out.numel()), device, dtype, out=out.view(1, -1)
+                )
             else:  # each part decoded in place (O_DIRECT reads land apart)
                 for part, off, at in ((gu, ogu, 0), (d, od, n_gu)):
                     rows, c = part.shape
-                    decode(raw.buf, off, part.nbytes, part.qtype, (rows, c), device, dtype,
-                           out=out[at:at + rows * c].view(rows, c))
+                    decode(
+                        raw.buf,
+                        off,
+                        part.nbytes,
+                        part.qtype,
+                        (rows, c),
+                        device,
+                        dtype,
+                        out=out[at : at + rows * c].view(rows, c),
+                    )
         finally:
             self.release(raw)
         return out[:n_gu].view(gu_rows, cols), out[n_gu:].view(down_shape)
@@ -244,13 +274,15 @@ class ExpertFile:
         try:
             at = 0
             for part, (off, nbytes) in zip(PARTS, self.ranges(layer, e)):
-                if os.preadv(self.fd_cached, [view[at:at + nbytes]], off) < nbytes:
-                    raise ExpertFileError(f"{self.path}: short read of {part} expert {e} of layer {layer} "
-                                          f"at byte {off:,}: file truncated?")
+                if os.preadv(self.fd_cached, [view[at : at + nbytes]], off) < nbytes:
+                    raise ExpertFileError(
+                        f"{self.path}: short read of {part} expert {e} of layer {layer} "
+                        f"at byte {off:,}: file truncated?"
+                    )
                 at += nbytes
         finally:
             view.release()
-        return out[:gu.nbytes].view(gu_shape), out[gu.nbytes:n].view(dn_shape)
+        return out[: gu.nbytes].view(gu_shape), out[gu.nbytes : n].view(dn_shape)
 
     def raw_shapes(self, layer: int) -> tuple[tuple[int, int], tuple[int, int]]:
         """Shapes of `quantized`'s pair: one row of file bytes per matrix row."""
@@ -270,12 +302,13 @@ class ExpertFile:
         try:
             at = 0
             for part, off in zip((gu, d), raw.offsets):
-                out[at:at + part.nbytes].copy_(torch.frombuffer(raw.buf, dtype=torch.uint8, count=part.nbytes,
-                                                                offset=off))
+                out[at : at + part.nbytes].copy_(
+                    torch.frombuffer(raw.buf, dtype=torch.uint8, count=part.nbytes, offset=off)
+                )
                 at += part.nbytes
         finally:
             self.release(raw)
-        return out[:gu.nbytes].view(gu_shape), out[gu.nbytes:].view(dn_shape)
+        return out[: gu.nbytes].view(gu_shape), out[gu.nbytes :].view(dn_shape)
 
     def close(self):
         for fd in (self.fd, self.fd_cached):

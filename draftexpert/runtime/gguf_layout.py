@@ -10,6 +10,7 @@ e · (n_bytes / E), and loading one expert is two contiguous reads (gate_up, dow
 means the same file serves llama.cpp (platform mn's second engine) as split 2 of the model
 (`split.no = 1`; `llama_gguf` writes split 1, the head).
 """
+
 from __future__ import annotations
 
 from gguf import GGMLQuantizationType as Q

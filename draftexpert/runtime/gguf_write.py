@@ -2,6 +2,7 @@
 own quantiser, bit-identical to llama.cpp's), moved into place atomically with its checksums
 (`gguf_checksums`). The layout is `gguf_layout`'s.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -23,8 +24,10 @@ def write_expert_gguf(path: Path, experts, meta: dict, qtype: str = "q4_0") -> P
         raise ValueError(f"unsupported expert type {qtype!r}; choose one of {', '.join(TYPES)}")
     E, H, inter = meta["n_expert"], meta["n_embd"], meta["n_ff_exp"]
     if qtype == "q4_0" and (H % 32 or inter % 32):
-        raise ValueError(f"Q4_0 quantises rows in blocks of 32 weights: hidden {H} and "
-                         f"moe_intermediate {inter} must both be multiples of 32 (use f16 or bf16)")
+        raise ValueError(
+            f"Q4_0 quantises rows in blocks of 32 weights: hidden {H} and "
+            f"moe_intermediate {inter} must both be multiples of 32 (use f16 or bf16)"
+        )
     path = Path(path)
     tmp = path.with_name(path.name + ".part")
     digests: dict[str, str] = {}
@@ -47,8 +50,13 @@ def write_expert_gguf(path: Path, experts, meta: dict, qtype: str = "q4_0") -> P
         n = int(np.prod(shape))
         nbytes = {"f32": 4 * n, "f16": 2 * n, "bf16": 2 * n, "q4_0": n // 32 * 18}[qtype]
         dtype = {"f32": np.float32, "f16": np.float16}.get(qtype, np.float32)
-        w.add_tensor_info(f"blk.{layer}.ffn_{part}_exps.weight", shape, dtype, nbytes,
-                          raw_dtype=qt if qtype in ("bf16", "q4_0") else None)
+        w.add_tensor_info(
+            f"blk.{layer}.ffn_{part}_exps.weight",
+            shape,
+            dtype,
+            nbytes,
+            raw_dtype=qt if qtype in ("bf16", "q4_0") else None,
+        )
     try:
         w.write_header_to_file()
         w.write_kv_data_to_file()
@@ -59,8 +67,13 @@ def write_expert_gguf(path: Path, experts, meta: dict, qtype: str = "q4_0") -> P
                 if next(todo, None) != (layer, part):
                     raise ValueError(f"expert tensors out of order: layer {layer} {part} was not expected next")
                 arr = t.detach().float().contiguous().numpy()
-                data = (arr if qtype == "f32" else arr.astype(np.float16) if qtype == "f16"
-                        else gguf.quants.quantize(arr, qt))
+                data = (
+                    arr
+                    if qtype == "f32"
+                    else arr.astype(np.float16)
+                    if qtype == "f16"
+                    else gguf.quants.quantize(arr, qt)
+                )
                 data = np.ascontiguousarray(data)
                 digests[f"blk.{layer}.ffn_{part}_exps.weight"] = digest(data)
                 w.write_tensor_data(data)

@@ -17,6 +17,7 @@ Prefetch (speculation; outside any forward):
 Counters only: totals sum them over forwards, `summary()` also splits them by phase; every ratio
 (loading share, hit rate, coverage, …) is derived once, in `draftexpert.metrics`.
 """
+
 from __future__ import annotations
 
 import time
@@ -91,8 +92,13 @@ class Ledger:
         if rec is None:  # a store used outside a ledgered forward (e.g. a warm-up): not counted
             return
         pl = rec.per_layer[layer]
-        for key, val in (("requested", requested), ("loads", loads), ("hits", requested - loads),
-                         ("bytes", nbytes), ("stall_s", stall_s)):
+        for key, val in (
+            ("requested", requested),
+            ("loads", loads),
+            ("hits", requested - loads),
+            ("bytes", nbytes),
+            ("stall_s", stall_s),
+        ):
             setattr(rec, key, getattr(rec, key) + val)
             pl[key] += val
 
@@ -111,6 +117,7 @@ class Ledger:
 
     def summary(self) -> dict:
         """Totals, by phase, and per-layer totals (counters: see the module docstring)."""
+
         def agg(recs):
             out = {k: sum(getattr(r, k) for r in recs) for k in (*COUNTERS, "wall_s")}
             out["forwards"] = len(recs)
@@ -123,6 +130,9 @@ class Ledger:
                 for k in COUNTERS:
                     per_layer[layer][k] += c[k]
         phases = sorted({r.phase for r in self.forwards})
-        return {"total": agg(self.forwards), "prefetch": dict(self.prefetch),
-                "by_phase": {p: agg([r for r in self.forwards if r.phase == p]) for p in phases},
-                "per_layer": {str(k): v for k, v in sorted(per_layer.items())}}
+        return {
+            "total": agg(self.forwards),
+            "prefetch": dict(self.prefetch),
+            "by_phase": {p: agg([r for r in self.forwards if r.phase == p]) for p in phases},
+            "per_layer": {str(k): v for k, v in sorted(per_layer.items())},
+        }

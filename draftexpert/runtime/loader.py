@@ -7,6 +7,7 @@ store experts one by one (`model.layers.L.mlp.experts.E.{gate,up,down}_proj.weig
 `save_pretrained` and the real DeepSeek/Moonlight checkpoints do) or fused
 (`...mlp.experts.gate_up_proj` [E, 2I, H], `...down_proj` [E, H, I]); both are read.
 """
+
 from __future__ import annotations
 
 import json
@@ -42,8 +43,10 @@ def load_config(folder: Path):
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{cfg_path}: not valid JSON ({e})") from e
     if raw.get("model_type") not in SUPPORTED:
-        raise CheckpointError(f"{cfg_path}: model_type {raw.get('model_type')!r} is not supported; this runtime "
-                              f"reads {', '.join(SUPPORTED)} (DeepSeek-V2-Lite, Moonlight and their tiny versions)")
+        raise CheckpointError(
+            f"{cfg_path}: model_type {raw.get('model_type')!r} is not supported; this runtime "
+            f"reads {', '.join(SUPPORTED)} (DeepSeek-V2-Lite, Moonlight and their tiny versions)"
+        )
     return AutoConfig.from_pretrained(folder, local_files_only=True)
 
 
@@ -92,8 +95,9 @@ class Checkpoint:
         try:
             return self.handles[shard].get_tensor(name)
         except Exception as e:  # noqa: BLE001 - a truncated shard fails here
-            raise CheckpointError(f"{self.folder / shard}: cannot read tensor {name} ({e}) — truncated or "
-                                  "corrupt?") from e
+            raise CheckpointError(
+                f"{self.folder / shard}: cannot read tensor {name} ({e}) — truncated or corrupt?"
+            ) from e
 
 
 def non_routed_weights(ckpt: Checkpoint, device, dtype) -> dict[str, torch.Tensor]:
@@ -114,8 +118,9 @@ def routed_experts(ckpt: Checkpoint, hf_config) -> Iterator[tuple[int, torch.Ten
             yield layer, ckpt.get(p + "gate_up_proj"), ckpt.get(p + "down_proj")
             continue
         E = hf_config.n_routed_experts
-        gate_up = torch.stack([torch.cat([ckpt.get(f"{p}{e}.gate_proj.weight"), ckpt.get(f"{p}{e}.up_proj.weight")])
-                               for e in range(E)])
+        gate_up = torch.stack(
+            [torch.cat([ckpt.get(f"{p}{e}.gate_proj.weight"), ckpt.get(f"{p}{e}.up_proj.weight")]) for e in range(E)]
+        )
         down = torch.stack([ckpt.get(f"{p}{e}.down_proj.weight") for e in range(E)])
         yield layer, gate_up, down
 
@@ -151,8 +156,9 @@ def fill_host_pool(ckpt: Checkpoint, hf_config, dtype: torch.dtype):
     return pool
 
 
-def expert_file_layers(path: Path, device, dtype,
-                       kernel: str = "dequant") -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+def expert_file_layers(
+    path: Path, device, dtype, kernel: str = "dequant"
+) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
     """(layer, gate_up [E, 2I, H], down [E, H, I]) of a GGUF expert file, dequantised, a layer at a
     time (kernel "ggml": the Q4_0 bytes, uint8 [E, 2I, H/32·18] and [E, H, I/32·18])."""
     f = ExpertFile(Path(path), staging_buffers=1)
@@ -168,15 +174,26 @@ def expert_file_layers(path: Path, device, dtype,
 
 
 def gguf_meta(hf_config) -> dict:
-    return dict(n_layer=hf_config.num_hidden_layers, n_expert=hf_config.n_routed_experts, n_embd=hf_config.hidden_size,
-                n_ff_exp=hf_config.moe_intermediate_size, first_dense=hf_config.first_k_dense_replace)
+    return dict(
+        n_layer=hf_config.num_hidden_layers,
+        n_expert=hf_config.n_routed_experts,
+        n_embd=hf_config.hidden_size,
+        n_ff_exp=hf_config.moe_intermediate_size,
+        first_dense=hf_config.first_k_dense_replace,
+    )
 
 
 def convert_experts(folder: Path, out: Path, qtype: str = "q4_0") -> Path:
     """Write the checkpoint's routed experts into a GGUF expert file (once; later runs reuse it)."""
     cfg = load_config(folder)
-    layers = tqdm(routed_experts(Checkpoint(folder), cfg), total=cfg.num_hidden_layers - cfg.first_k_dense_replace,
-                  desc=f"writing {Path(out).name}", unit="layer", delay=2, disable=None)  # a terminal, past 2 s
+    layers = tqdm(
+        routed_experts(Checkpoint(folder), cfg),
+        total=cfg.num_hidden_layers - cfg.first_k_dense_replace,
+        desc=f"writing {Path(out).name}",
+        unit="layer",
+        delay=2,
+        disable=None,
+    )  # a terminal, past 2 s
     return write_expert_gguf(out, layers, gguf_meta(cfg), qtype)
 
 
@@ -185,10 +202,21 @@ def convert_experts(folder: Path, out: Path, qtype: str = "q4_0") -> Path:
 HEAD_TYPES = ("checkpoint", "q4_0")
 
 
-def build_model(folder: Path, store: str = "resident", device: str = "cpu", dtype: torch.dtype = torch.float32,
-                gguf_path: Path | None = None, cache_experts: int = 0, staging_budget_bytes: int = 0,
-                io_threads: int = 6, ledger: Ledger | None = None, working_set_bytes: int = 0,
-                staging: str = "demand", kernel: str = "dequant", head_type: str = "checkpoint") -> MoEModel:
+def build_model(
+    folder: Path,
+    store: str = "resident",
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    gguf_path: Path | None = None,
+    cache_experts: int = 0,
+    staging_budget_bytes: int = 0,
+    io_threads: int = 6,
+    ledger: Ledger | None = None,
+    working_set_bytes: int = 0,
+    staging: str = "demand",
+    kernel: str = "dequant",
+    head_type: str = "checkpoint",
+) -> MoEModel:
     """A lean model over `store` ∈ {resident, host, flash}; flash reads `gguf_path` (see
     `convert_experts`); resident with a `gguf_path` holds that file's experts, dequantised (the
     resident upper bound of a quantised mn run: the same model, nothing moved). `working_set_bytes`
@@ -199,8 +227,9 @@ def build_model(folder: Path, store: str = "resident", device: str = "cpu", dtyp
     if head_type not in HEAD_TYPES:
         raise ValueError(f"--head-type: {head_type!r} is not one of {', '.join(HEAD_TYPES)}")
     if kernel != "dequant" and (gguf_path is None or store not in ("flash", "resident")):
-        raise ValueError("--expert-kernel ggml computes the experts of a Q4_0 expert file (platform mn, or "
-                         "resident from the file)")
+        raise ValueError(
+            "--expert-kernel ggml computes the experts of a Q4_0 expert file (platform mn, or resident from the file)"
+        )
     cfg = load_config(folder)
     ckpt = Checkpoint(folder)
     weights = non_routed_weights(ckpt, device, dtype)
@@ -210,8 +239,14 @@ def build_model(folder: Path, store: str = "resident", device: str = "cpu", dtyp
     if store == "flash":
         if gguf_path is None:
             raise CheckpointError("the flash store needs a GGUF expert file (bench convert writes it)")
-        experts = FlashStore(gguf_path, io_threads=io_threads, staging_budget_bytes=staging_budget_bytes,
-                             staging=staging, kernel=kernel, **offload)
+        experts = FlashStore(
+            gguf_path,
+            io_threads=io_threads,
+            staging_budget_bytes=staging_budget_bytes,
+            staging=staging,
+            kernel=kernel,
+            **offload,
+        )
     elif store == "host":
         pool = fill_host_pool(ckpt, cfg, pool_dtype(ckpt, cfg, dtype))
         experts = HostStore(pool.gate_up, pool.down, pool=pool, **offload)
@@ -232,6 +267,8 @@ def load_router(folder: Path) -> tuple[ModelConfig, dict[int, torch.Tensor]]:
     layer, fp32) — what another engine needs to choose experts as the runtime's `route` does."""
     cfg = load_config(folder)
     ckpt = Checkpoint(folder)
-    names = {i: f"model.layers.{i}.mlp.gate.e_score_correction_bias"
-             for i in range(cfg.first_k_dense_replace, cfg.num_hidden_layers)}
+    names = {
+        i: f"model.layers.{i}.mlp.gate.e_score_correction_bias"
+        for i in range(cfg.first_k_dense_replace, cfg.num_hidden_layers)
+    }
     return ModelConfig.from_hf(cfg), {i: ckpt.get(n).float() for i, n in names.items() if n in ckpt.keys()}

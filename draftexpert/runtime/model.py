@@ -22,6 +22,7 @@ qk_nope / qk_rope / v head dims, E routed experts, I = moe_intermediate_size.
   the unique experts a forward needs are asked for, and each runs once on all its tokens
   (a loop over unique experts, never over tokens). Shared experts are resident.
 """
+
 from __future__ import annotations
 
 import weakref
@@ -64,13 +65,29 @@ class ModelConfig:
         v3 = c.model_type == "deepseek_v3"
         if not v3 and getattr(c, "topk_method", "greedy") != "greedy":
             raise ValueError(f"routing {c.topk_method!r} is not supported (DeepSeek-V2-Lite uses 'greedy')")
-        return cls(vocab=c.vocab_size, hidden=c.hidden_size, layers=c.num_hidden_layers,
-                   first_dense=c.first_k_dense_replace, heads=c.num_attention_heads, d_nope=c.qk_nope_head_dim,
-                   d_rope=c.qk_rope_head_dim, d_v=c.v_head_dim, r_q=c.q_lora_rank, r_kv=c.kv_lora_rank,
-                   n_experts=c.n_routed_experts, n_shared=c.n_shared_experts, top_k=c.num_experts_per_tok,
-                   moe_inter=c.moe_intermediate_size, v3=v3, norm_topk=bool(getattr(c, "norm_topk_prob", False)) and v3,
-                   scale=float(c.routed_scaling_factor), n_group=c.n_group or 1, topk_group=c.topk_group or 1,
-                   eps=c.rms_norm_eps, max_positions=c.max_position_embeddings)
+        return cls(
+            vocab=c.vocab_size,
+            hidden=c.hidden_size,
+            layers=c.num_hidden_layers,
+            first_dense=c.first_k_dense_replace,
+            heads=c.num_attention_heads,
+            d_nope=c.qk_nope_head_dim,
+            d_rope=c.qk_rope_head_dim,
+            d_v=c.v_head_dim,
+            r_q=c.q_lora_rank,
+            r_kv=c.kv_lora_rank,
+            n_experts=c.n_routed_experts,
+            n_shared=c.n_shared_experts,
+            top_k=c.num_experts_per_tok,
+            moe_inter=c.moe_intermediate_size,
+            v3=v3,
+            norm_topk=bool(getattr(c, "norm_topk_prob", False)) and v3,
+            scale=float(c.routed_scaling_factor),
+            n_group=c.n_group or 1,
+            topk_group=c.topk_group or 1,
+            eps=c.rms_norm_eps,
+            max_positions=c.max_position_embeddings,
+        )
 
     def is_moe(self, layer: int) -> bool:
         return layer >= self.first_dense
@@ -189,15 +206,20 @@ class MoEModel:
             p = f"model.layers.{i}."
             kv_b = w[p + "self_attn.kv_b_proj.weight"].view(c.heads, c.d_nope + c.d_v, c.r_kv)
             lay = {
-                "ln1": w[p + "input_layernorm.weight"], "ln2": w[p + "post_attention_layernorm.weight"],
-                "kv_a": w[p + "self_attn.kv_a_proj_with_mqa.weight"], "kv_ln": w[p + "self_attn.kv_a_layernorm.weight"],
-                "w_uk": kv_b[:, :c.d_nope].contiguous(),  # [n_h, d_n, r_kv]
-                "w_uv_t": kv_b[:, c.d_nope:].transpose(1, 2).contiguous(),  # [n_h, r_kv, d_v]
+                "ln1": w[p + "input_layernorm.weight"],
+                "ln2": w[p + "post_attention_layernorm.weight"],
+                "kv_a": w[p + "self_attn.kv_a_proj_with_mqa.weight"],
+                "kv_ln": w[p + "self_attn.kv_a_layernorm.weight"],
+                "w_uk": kv_b[:, : c.d_nope].contiguous(),  # [n_h, d_n, r_kv]
+                "w_uv_t": kv_b[:, c.d_nope :].transpose(1, 2).contiguous(),  # [n_h, r_kv, d_v]
                 "o": w[p + "self_attn.o_proj.weight"],
             }
             if c.r_q:
-                lay.update(q_a=w[p + "self_attn.q_a_proj.weight"], q_ln=w[p + "self_attn.q_a_layernorm.weight"],
-                           q_b=w[p + "self_attn.q_b_proj.weight"])
+                lay.update(
+                    q_a=w[p + "self_attn.q_a_proj.weight"],
+                    q_ln=w[p + "self_attn.q_a_layernorm.weight"],
+                    q_b=w[p + "self_attn.q_b_proj.weight"],
+                )
             else:
                 lay["q"] = w[p + "self_attn.q_proj.weight"]
             if c.is_moe(i):
@@ -227,14 +249,24 @@ class MoEModel:
             ang = torch.arange(n, dtype=torch.float32)[:, None] * self.inv_freq[None]
             dev, dt = self.embed.device, self.embed.dtype
             self._cos, self._sin = (ang.cos() * self.rope_scale).to(dev, dt), (ang.sin() * self.rope_scale).to(dev, dt)
-        return self._cos[start:start + T], self._sin[start:start + T]
+        return self._cos[start : start + T], self._sin[start : start + T]
 
     # -- one layer: attention, then the dense MLP or the MoE --------------------------------
     # The eager forward and the compiled one-token step run these same functions; compiling
     # wraps them (gpt-fast), it does not copy them.
 
-    def attention(self, L: dict, x: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor, pos: torch.Tensor,
-                  keys: torch.Tensor, cos, sin, masked: bool = True) -> torch.Tensor:
+    def attention(
+        self,
+        L: dict,
+        x: torch.Tensor,
+        c_kv: torch.Tensor,
+        k_pe: torch.Tensor,
+        pos: torch.Tensor,
+        keys: torch.Tensor,
+        cos,
+        sin,
+        masked: bool = True,
+    ) -> torch.Tensor:
         """x [T, H] (normed) → [T, H]. Writes rows `pos` [T] of the layer's cache (c_kv [S_max, r_kv],
         k_pe [S_max, d_r]) and attends causally to its rows `keys` [S] = 0 … S−1: eager, the cache's
         live length (`masked` False for one token: it sees every key); the compiled step, the whole
@@ -243,11 +275,11 @@ class MoEModel:
         T = x.shape[0]
         q = F.linear(rms_norm(F.linear(x, L["q_a"]), L["q_ln"], c.eps), L["q_b"]) if c.r_q else F.linear(x, L["q"])
         q = q.view(T, c.heads, c.d_nope + c.d_rope)
-        q_nope, q_pe = q[..., :c.d_nope], rope(q[..., c.d_nope:], cos[:, None], sin[:, None])
+        q_nope, q_pe = q[..., : c.d_nope], rope(q[..., c.d_nope :], cos[:, None], sin[:, None])
         kv = F.linear(x, L["kv_a"])  # [T, r_kv + d_r]
-        c_kv.index_copy_(0, pos, rms_norm(kv[:, :c.r_kv], L["kv_ln"], c.eps))
-        k_pe.index_copy_(0, pos, rope(kv[:, c.r_kv:], cos, sin))
-        ckv, kpe = c_kv[:keys.shape[0]], k_pe[:keys.shape[0]]  # [S, r_kv], [S, d_r]
+        c_kv.index_copy_(0, pos, rms_norm(kv[:, : c.r_kv], L["kv_ln"], c.eps))
+        k_pe.index_copy_(0, pos, rope(kv[:, c.r_kv :], cos, sin))
+        ckv, kpe = c_kv[: keys.shape[0]], k_pe[: keys.shape[0]]  # [S, r_kv], [S, d_r]
         q_c = torch.bmm(q_nope.transpose(0, 1), L["w_uk"])  # absorbed: [n_h, T, d_n] @ [n_h, d_n, r_kv]
         scores = (q_c @ ckv.T + (q_pe.transpose(0, 1) @ kpe.T)) * self.softmax_scale  # [n_h, T, S]
         if masked:
@@ -326,7 +358,7 @@ class MoEModel:
         self.last_fetched[i] = unique
         start = 0
         for j, (gu, dn) in enumerate(self.experts.fetch_iter(i, unique, phase)):
-            rows = order[start:start + counts[j]]
+            rows = order[start : start + counts[j]]
             start += counts[j]
             yield rows // r, rows % r, gu, dn
 
@@ -391,12 +423,19 @@ class MoEModel:
         moe = moe or self.moe
         T, start = ids.shape[0], cache.length
         cos, sin = self.rope_tables(start, T)  # [T, d_r/2]
-        pos, keys = cache.positions[start:start + T], cache.positions[:start + T]
+        pos, keys = cache.positions[start : start + T], cache.positions[: start + T]
         x = self.embed[ids.to(self.embed.device)]
         layers = enumerate(self.layers)
         if phase == "prefill":  # a long prefill of a large model: a bar on a terminal once it passes 2 s
-            layers = tqdm(layers, total=len(self.layers), desc=f"prefill {T} tokens", unit="layer", delay=2,
-                          leave=False, disable=None)
+            layers = tqdm(
+                layers,
+                total=len(self.layers),
+                desc=f"prefill {T} tokens",
+                unit="layer",
+                delay=2,
+                leave=False,
+                disable=None,
+            )
         for i, L in layers:
             x, h, logits, w, idx = self.pre_ffn(L, x, cache.c_kv[i], cache.k_pe[i], pos, keys, cos, sin, T > 1)
             if idx is None:
@@ -425,8 +464,9 @@ class MoEModel:
         store = self.experts
         # resident fp experts are indexed in the graph; offloaded ones, and Q4_0 blocks for the ggml
         # kernel (`--expert-kernel ggml`), go through the store in the op
-        self._indexed = (isinstance(store, ResidentStore)
-                         and all(t.dtype.is_floating_point for t in store.gate_up.values()))
+        self._indexed = isinstance(store, ResidentStore) and all(
+            t.dtype.is_floating_point for t in store.gate_up.values()
+        )
         offloaded, handle = not self._indexed, _MODELS.add(self)
 
         def step(tok, layers, shared, r, gate_ups, downs, c_kvs, k_pes, pos, keys, cos, sin):
@@ -440,11 +480,15 @@ class MoEModel:
                     continue
                 routing.append(idx)
                 if offloaded:  # x + (shared + Σ_k w_k e_k(h)), summed in `mix`'s order
-                    x = x + torch.ops.draftexpert.routed_experts(self.mlp(h, *shared[i]), h, w[0, :r], idx[0, :r],
-                                                                 handle, i)
+                    x = x + torch.ops.draftexpert.routed_experts(
+                        self.mlp(h, *shared[i]), h, w[0, :r], idx[0, :r], handle, i
+                    )
                 else:
-                    x = (x + self.mlp(h, *shared[i])
-                         + self.routed_indexed(h, w[0, :r], idx[0, :r], gate_ups[i], downs[i]))
+                    x = (
+                        x
+                        + self.mlp(h, *shared[i])
+                        + self.routed_indexed(h, w[0, :r], idx[0, :r], gate_ups[i], downs[i])
+                    )
             return self.head(x), routing
 
         self._compiled = torch.compile(step, dynamic=False)
@@ -474,15 +518,33 @@ class MoEModel:
         c, store = self.cfg, self.experts
         start = cache.length
         cos, sin = self.rope_tables(start, 1)
-        pos, keys = cache.positions[start:start + 1], cache.positions  # every row: static shapes
+        pos, keys = cache.positions[start : start + 1], cache.positions  # every row: static shapes
         moe = [i for i in range(c.layers) if c.is_moe(i)]
         r = c.top_k if path is None else path.r
-        shared = [None if not c.is_moe(i) else path.shared_for(i, L) if path is not None
-                  else (L["shared_gate_up"], L["shared_down"]) for i, L in enumerate(self.layers)]
+        shared = [
+            None
+            if not c.is_moe(i)
+            else path.shared_for(i, L)
+            if path is not None
+            else (L["shared_gate_up"], L["shared_down"])
+            for i, L in enumerate(self.layers)
+        ]
         gate_ups = [store.gate_up.get(i) for i in range(c.layers)] if self._indexed else []
         downs = [store.down.get(i) for i in range(c.layers)] if self._indexed else []
-        logits, routing = self._compiled(ids.to(self.embed.device), self.layers, shared, r, gate_ups, downs,
-                                         cache.c_kv, cache.k_pe, pos, keys, cos, sin)
+        logits, routing = self._compiled(
+            ids.to(self.embed.device),
+            self.layers,
+            shared,
+            r,
+            gate_ups,
+            downs,
+            cache.c_kv,
+            cache.k_pe,
+            pos,
+            keys,
+            cos,
+            sin,
+        )
         for i, idx in zip(moe, routing):
             self.last_routing[i] = idx
             if self._indexed:
@@ -511,8 +573,9 @@ _MODELS = _Registry()
 
 
 @torch.library.custom_op("draftexpert::routed_experts", mutates_args=())
-def routed_experts(out: torch.Tensor, h: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, model: int,
-                   layer: int) -> torch.Tensor:
+def routed_experts(
+    out: torch.Tensor, h: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, model: int, layer: int
+) -> torch.Tensor:
     """out + Σ_k w_k · expert_k(h) for one token (out, h [1, H]; w, idx [r]), the experts fetched from
     model `model`'s store as they land (`MoEModel.mix` without its residual) — the compiled step's
     one call out of the graph per MoE layer; sets the model's `last_fetched` tap."""

@@ -13,6 +13,7 @@ Counts follow the tensors of transformers' DeepseekV2/V3 classes (and of the che
 Bytes: bf16 = 2 B/param. Q4_0 = 18 B per 32 weights (4.5 bits) for every matrix, vectors kept
 f32 (4 B) as llama.cpp keeps norms; real GGUF files may keep a few matrices at higher precision.
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
@@ -38,8 +39,16 @@ class Breakdown:
 
     @property
     def total(self) -> int:
-        return (self.embedding + self.lm_head + self.attention + self.dense_mlp + self.shared_experts
-                + self.router + self.norms + self.routed_experts)
+        return (
+            self.embedding
+            + self.lm_head
+            + self.attention
+            + self.dense_mlp
+            + self.shared_experts
+            + self.router
+            + self.norms
+            + self.routed_experts
+        )
 
     @property
     def non_routed(self) -> int:
@@ -50,23 +59,28 @@ class Breakdown:
         `*_gib_q4_0` = (matrix params · 18/32 + vector params · 4) / 2^30."""
         nr_vec = self.vectors
         out = {k: v for k, v in asdict(self).items()}
-        out.update({
-            "total": self.total,
-            "non_routed": self.non_routed,
-            "routed_share": self.routed_experts / self.total,
-            "routed_gib_bf16": 2 * self.routed_experts / GIB,
-            "non_routed_gib_bf16": 2 * self.non_routed / GIB,
-            "routed_gib_q4_0": self.routed_experts * Q4_0_BYTES_PER_WEIGHT / GIB,
-            "non_routed_gib_q4_0": ((self.non_routed - nr_vec) * Q4_0_BYTES_PER_WEIGHT + 4 * nr_vec) / GIB,
-            "routed_expert_mib_bf16": 2 * self.routed_expert_params_each / (1 << 20),
-            "routed_expert_mib_q4_0": self.routed_expert_params_each * Q4_0_BYTES_PER_WEIGHT / (1 << 20),
-        })
+        out.update(
+            {
+                "total": self.total,
+                "non_routed": self.non_routed,
+                "routed_share": self.routed_experts / self.total,
+                "routed_gib_bf16": 2 * self.routed_experts / GIB,
+                "non_routed_gib_bf16": 2 * self.non_routed / GIB,
+                "routed_gib_q4_0": self.routed_experts * Q4_0_BYTES_PER_WEIGHT / GIB,
+                "non_routed_gib_q4_0": ((self.non_routed - nr_vec) * Q4_0_BYTES_PER_WEIGHT + 4 * nr_vec) / GIB,
+                "routed_expert_mib_bf16": 2 * self.routed_expert_params_each / (1 << 20),
+                "routed_expert_mib_q4_0": self.routed_expert_params_each * Q4_0_BYTES_PER_WEIGHT / (1 << 20),
+            }
+        )
         return out
 
 
 def is_moe_layer(cfg: dict, layer: int) -> bool:
-    return (cfg.get("n_routed_experts") is not None and layer >= cfg.get("first_k_dense_replace", 0)
-            and layer % cfg.get("moe_layer_freq", 1) == 0)
+    return (
+        cfg.get("n_routed_experts") is not None
+        and layer >= cfg.get("first_k_dense_replace", 0)
+        and layer % cfg.get("moe_layer_freq", 1) == 0
+    )
 
 
 def breakdown(cfg: dict) -> Breakdown:
@@ -137,8 +151,11 @@ def _cgroup_room(proc: Path = Path("/proc/self/cgroup"), root: Path = Path("/sys
         if not v1 and controllers != "":
             continue
         group = (root / "memory" if v1 else root) / path.lstrip("/")
-        names = ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_cache") if v1 else \
-            ("memory.max", "memory.current", "file")
+        names = (
+            ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_cache")
+            if v1
+            else ("memory.max", "memory.current", "file")
+        )
         try:
             limit = (group / names[0]).read_text().strip()
             if limit == "max" or int(limit) >= 1 << 60:  # v2 "max"; v1's "no limit" is a huge number
@@ -156,8 +173,17 @@ EXPERT_FILE_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "q4_0": Q4_0_BYTES_PER_WEIGH
 STORED_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}  # a config's torch_dtype: the checkpoint's weights
 
 
-def plan(cfg: dict, platform: str, cuda: bool, dtype_bytes: int = 4, expert_type: str = "q4_0", positions: int = 5,
-         context: int = 2048, working_set_bytes: int = 0, draft_intermediate: int = 0) -> dict:
+def plan(
+    cfg: dict,
+    platform: str,
+    cuda: bool,
+    dtype_bytes: int = 4,
+    expert_type: str = "q4_0",
+    positions: int = 5,
+    context: int = 2048,
+    working_set_bytes: int = 0,
+    draft_intermediate: int = 0,
+) -> dict:
     """Where a lean model's bytes go on `platform`, from the config alone, as the runtime holds
     them (`build_model`: computing in `dtype_bytes`, fp32 = 4). Keys, in bytes:
       accelerator_weights  non-routed weights (+ every routed expert when resident)
@@ -187,17 +213,32 @@ def plan(cfg: dict, platform: str, cuda: bool, dtype_bytes: int = 4, expert_type
     k, L = cfg.get("num_experts_per_tok") or 0, cfg["num_hidden_layers"]
     moe_layers = [i for i in range(L) if is_moe_layer(cfg, i)]
     expert = 3 * H * inter
-    p = {"platform": platform, "store": STORES[platform], "cuda": cuda, "dtype_bytes": dtype_bytes,
-         "accelerator_weights": (b.non_routed + (b.routed_experts if platform == "resident" else 0)) * dtype_bytes,
-         "draft_weights": len(moe_layers) * 3 * H * (cfg.get("n_shared_experts", 0) * inter + draft_intermediate)
-         * dtype_bytes if draft_intermediate else 0,
-         "kv_cache": L * context * (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * dtype_bytes,
-         "working_set": (0 if platform == "resident"
-                         else len(moe_layers) * min(E, positions * k) * expert * dtype_bytes),
-         "working_set_one_position": (0 if platform == "resident"
-                                      else len(moe_layers) * min(E, k) * expert * dtype_bytes),
-         "host_pool": 0, "host_pinned": 0, "host_load_transient": 0, "storage": 0,
-         "conversion_peak": 0}
+    p = {
+        "platform": platform,
+        "store": STORES[platform],
+        "cuda": cuda,
+        "dtype_bytes": dtype_bytes,
+        "accelerator_weights": (b.non_routed + (b.routed_experts if platform == "resident" else 0)) * dtype_bytes,
+        "draft_weights": len(moe_layers)
+        * 3
+        * H
+        * (cfg.get("n_shared_experts", 0) * inter + draft_intermediate)
+        * dtype_bytes
+        if draft_intermediate
+        else 0,
+        "kv_cache": L * context * (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * dtype_bytes,
+        "working_set": (
+            0 if platform == "resident" else len(moe_layers) * min(E, positions * k) * expert * dtype_bytes
+        ),
+        "working_set_one_position": (
+            0 if platform == "resident" else len(moe_layers) * min(E, k) * expert * dtype_bytes
+        ),
+        "host_pool": 0,
+        "host_pinned": 0,
+        "host_load_transient": 0,
+        "storage": 0,
+        "conversion_peak": 0,
+    }
     if platform == "cg":
         stored = STORED_BYTES.get(cfg.get("torch_dtype") or cfg.get("dtype"), 4)
         p["pool_dtype_bytes"] = min(stored, dtype_bytes)
@@ -209,40 +250,54 @@ def plan(cfg: dict, platform: str, cuda: bool, dtype_bytes: int = 4, expert_type
         p["conversion_peak"] = int(E * expert * (1.5 * 4 + EXPERT_FILE_BYTES[expert_type]))
     if working_set_bytes and platform != "resident":  # never below what one layer's forward holds at once
         p["working_set"] = min(p["working_set"], max(working_set_bytes, min(E, positions * k) * expert * dtype_bytes))
-        p["working_set_one_position"] = min(p["working_set_one_position"],
-                                            max(working_set_bytes, min(E, k) * expert * dtype_bytes))
+        p["working_set_one_position"] = min(
+            p["working_set_one_position"], max(working_set_bytes, min(E, k) * expert * dtype_bytes)
+        )
     p["working_set_budget"] = working_set_bytes
     p["demand_one_layer"] = 0 if platform == "resident" else min(E, positions * k) * expert * dtype_bytes
     # a bounded round can hold one forward layer's demand loads beside a full budget (the loads in
     # flight, prefetches among them, that the store cannot drop): counted besides the bound
-    p["demand_in_flight"] = (min(E, positions * k) * expert * dtype_bytes
-                             if working_set_bytes and platform != "resident" else 0)
-    for suffix, ws in (("", p["working_set"] + p["demand_in_flight"]),
-                       ("_least", p["working_set_one_position"] + p["demand_in_flight"])):
+    p["demand_in_flight"] = (
+        min(E, positions * k) * expert * dtype_bytes if working_set_bytes and platform != "resident" else 0
+    )
+    for suffix, ws in (
+        ("", p["working_set"] + p["demand_in_flight"]),
+        ("_least", p["working_set_one_position"] + p["demand_in_flight"]),
+    ):
         device = p["accelerator_weights"] + p["draft_weights"] + p["kv_cache"] + ws
         host = p["host_pool"] + p["host_load_transient"]
         p["accelerator" + suffix], p["host" + suffix] = (device, host) if cuda else (0, host + device)
     return p
 
 
-def check_fits(p: dict, host_bytes: int | None, accelerator_bytes: int | None = None,
-               headroom: float = 0.9) -> str | None:
+def check_fits(
+    p: dict, host_bytes: int | None, accelerator_bytes: int | None = None, headroom: float = 0.9
+) -> str | None:
     """Refuse a plan (`plan`) whose least need (a round that stages one position's experts) does
     not fit the given memories, with the numbers and what to do; return a warning when only its
     worst case (every position of a round staging new experts) does not."""
     gib = lambda n: f"{n / GIB:.1f} GiB"  # noqa: E731
-    what = {"resident": "every weight", "host": "the routed-expert pool (platform cg) and the rest",
-            "flash": "the non-routed weights and a round's staged experts"}[p["store"]]
-    for mem, have, hint in (("host", host_bytes, "use --platform mn (experts read from storage), or a machine with "
-                             "more memory"), ("accelerator", accelerator_bytes, "use --platform cg or mn")):
+    what = {
+        "resident": "every weight",
+        "host": "the routed-expert pool (platform cg) and the rest",
+        "flash": "the non-routed weights and a round's staged experts",
+    }[p["store"]]
+    for mem, have, hint in (
+        ("host", host_bytes, "use --platform mn (experts read from storage), or a machine with more memory"),
+        ("accelerator", accelerator_bytes, "use --platform cg or mn"),
+    ):
         if have is not None and p[mem + "_least"] > headroom * have:
-            raise WontFit(f"{what} ({8 * p['dtype_bytes']}-bit compute) need {gib(p[mem + '_least'])} of {mem} "
-                          f"memory, but {gib(have)} is available: {hint} (`bench plan` shows where the bytes go)")
+            raise WontFit(
+                f"{what} ({8 * p['dtype_bytes']}-bit compute) need {gib(p[mem + '_least'])} of {mem} "
+                f"memory, but {gib(have)} is available: {hint} (`bench plan` shows where the bytes go)"
+            )
     for mem, have in (("host", host_bytes), ("accelerator", accelerator_bytes)):
         if have is not None and p[mem] > headroom * have:
-            return (f"a round that stages new experts at every position may need {gib(p[mem])} of {mem} memory "
-                    f"({gib(have)} available): --working-set bounds it (past the bound a round reloads on demand); "
-                    "truncation (the default) or a lower --k-max keeps it smaller")
+            return (
+                f"a round that stages new experts at every position may need {gib(p[mem])} of {mem} memory "
+                f"({gib(have)} available): --working-set bounds it (past the bound a round reloads on demand); "
+                "truncation (the default) or a lower --k-max keeps it smaller"
+            )
     return None
 
 
@@ -276,12 +331,16 @@ def distill_plan(cfg: dict, p: dict, intermediate: int, seq_len: int, batch: int
     moe = sum(is_moe_layer(cfg, i) for i in range(L))
     heads, d_qk = cfg["num_attention_heads"], cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"]
     shared = (cfg.get("n_shared_experts") or 0) * inter
-    per_token_layer = 4 * (8 * H + heads * (2 * d_qk + cfg["v_head_dim"]) + heads * seq_len + 3 * shared
-                           + 3 * intermediate + 2 * E)
-    d = {"teacher": teacher, "distill_state": 16 * moe * 3 * H * intermediate,
-         "distill_logits": 6 * batch * seq_len * V * 4,
-         "distill_activations": batch * seq_len * L * per_token_layer,
-         "distill_experts": min(E, seq_len * k) * 3 * H * inter * p["dtype_bytes"]}
+    per_token_layer = 4 * (
+        8 * H + heads * (2 * d_qk + cfg["v_head_dim"]) + heads * seq_len + 3 * shared + 3 * intermediate + 2 * E
+    )
+    d = {
+        "teacher": teacher,
+        "distill_state": 16 * moe * 3 * H * intermediate,
+        "distill_logits": 6 * batch * seq_len * V * 4,
+        "distill_activations": batch * seq_len * L * per_token_layer,
+        "distill_experts": min(E, seq_len * k) * 3 * H * inter * p["dtype_bytes"],
+    }
     extra = d["distill_state"] + d["distill_logits"] + d["distill_activations"]
     device = p["accelerator_weights"] + d["distill_experts"] + extra  # training runs where the model computes
     host = p["host_pool"] + p["host_load_transient"]
@@ -297,9 +356,14 @@ def check_distill_fits(d: dict, host_bytes: int | None, accelerator_bytes: int |
     for mem, have in (("host", host_bytes), ("accelerator", accelerator_bytes)):
         need = d[f"distill_{mem}"]
         if have is not None and need > headroom * have:
-            hint = ("--teacher runtime streams the experts instead of holding the whole model"
-                    if d["teacher"] == "transformers" else "lower --seq-len / --batch-size / --intermediate")
-            raise WontFit(f"distilling with the {d['teacher']} teacher needs {need / GIB:.1f} GiB of {mem} memory, "
-                          f"but {have / GIB:.1f} GiB is available, {headroom * have / GIB:.1f} GiB of it usable "
-                          f"({1 - headroom:.0%} kept free for the allocator and the process): {hint} "
-                          "(`bench plan --distill` shows where the bytes go)")
+            hint = (
+                "--teacher runtime streams the experts instead of holding the whole model"
+                if d["teacher"] == "transformers"
+                else "lower --seq-len / --batch-size / --intermediate"
+            )
+            raise WontFit(
+                f"distilling with the {d['teacher']} teacher needs {need / GIB:.1f} GiB of {mem} memory, "
+                f"but {have / GIB:.1f} GiB is available, {headroom * have / GIB:.1f} GiB of it usable "
+                f"({1 - headroom:.0%} kept free for the allocator and the process): {hint} "
+                "(`bench plan --distill` shows where the bytes go)"
+            )

@@ -1,11 +1,13 @@
 """The speculative round's settings, one frozen dataclass handed down whole (no torch: the CLI reads
 its defaults at start-up)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 BUDGET_MODES = ("fixed", "cache")
 DRAFT_CACHES = ("shared", "own")
+
 
 @dataclass(frozen=True)
 class SpecConfig:

@@ -8,6 +8,7 @@ verify pass by more than the budget (Eq. 14):
 
     stop  ⇔  q_i < τ  ∧  Δ_i > B_i
 """
+
 from __future__ import annotations
 
 Key = tuple[int, int]  # (layer, expert)

@@ -21,6 +21,7 @@ expert's gate/up rows appended and γ_l · its down columns appended, which comp
 S_l(h) + γ_l E^d_l(h) in one pair of matmuls (silu(g)·u is row-wise, down sums over rows). A zero
 draft expert adds rows that contribute exactly 0, so DraftExpert(0) is shared+top-1.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -65,18 +66,30 @@ class DraftExperts:
     @classmethod
     def zeros(cls, moe_layers: list[int], hidden: int, intermediate: int, dtype=torch.float32) -> DraftExperts:
         """Untrained: every weight 0, γ = 1 — DraftExpert reduces to shared + top-1."""
-        return cls({i: torch.zeros(2 * intermediate, hidden, dtype=dtype) for i in moe_layers},
-                   {i: torch.zeros(hidden, intermediate, dtype=dtype) for i in moe_layers},
-                   dict.fromkeys(moe_layers, 1.0))
+        return cls(
+            {i: torch.zeros(2 * intermediate, hidden, dtype=dtype) for i in moe_layers},
+            {i: torch.zeros(hidden, intermediate, dtype=dtype) for i in moe_layers},
+            dict.fromkeys(moe_layers, 1.0),
+        )
 
     @classmethod
-    def random(cls, moe_layers: list[int], hidden: int, intermediate: int, seed: int = 0, std: float = 0.02,
-               dtype=torch.float32) -> DraftExperts:
+    def random(
+        cls,
+        moe_layers: list[int],
+        hidden: int,
+        intermediate: int,
+        seed: int = 0,
+        std: float = 0.02,
+        dtype=torch.float32,
+    ) -> DraftExperts:
         """Random N(0, std²) weights (tests: a draft expert that changes the draft path)."""
         g = torch.Generator().manual_seed(seed)
         rnd = lambda *shape: (torch.randn(*shape, generator=g) * std).to(dtype)  # noqa: E731
-        return cls({i: rnd(2 * intermediate, hidden) for i in moe_layers},
-                   {i: rnd(hidden, intermediate) for i in moe_layers}, dict.fromkeys(moe_layers, 1.0))
+        return cls(
+            {i: rnd(2 * intermediate, hidden) for i in moe_layers},
+            {i: rnd(hidden, intermediate) for i in moe_layers},
+            dict.fromkeys(moe_layers, 1.0),
+        )
 
 
 def draftexpert(model, experts: DraftExperts) -> DraftPath:
@@ -93,8 +106,9 @@ def draftexpert(model, experts: DraftExperts) -> DraftPath:
     return DraftPath("draftexpert", 1, shared)
 
 
-def make_draft_path(model, method: str, r: int = 1, experts: DraftExperts | None = None,
-                    draft_intermediate: int | None = None) -> DraftPath:
+def make_draft_path(
+    model, method: str, r: int = 1, experts: DraftExperts | None = None, draft_intermediate: int | None = None
+) -> DraftPath:
     """`top-r` → shared + top-r; `draftexpert` → shared + top-1 + the given draft experts
     (zeros of `draft_intermediate` rows — default the routed experts' — when none are given)."""
     cfg = model.cfg

@@ -5,7 +5,8 @@ One round, phases named as the paper names them:
   draft     the drafter (a `DraftPath` of the same weights) proposes v_1 … v_K, K ≤ K_max, one
             token per forward; each forward also yields the confidence q_i of v_i and, for the
             token it consumes, the draft router's top-k experts at every MoE layer — the
-            predicted verifier experts of that position.
+            predicted verifier experts of that position. Prompt lookup (`lookup.Lookup`) drafts
+            with no forward at all: q_j a point mass on v_j, nothing predicted or prefetched.
   truncate  the controller (`controller`, Eq. 12–14) stops before appending v_i when q_i < τ and
             the marginal expansion Δ_i = |Û_i| − |Û_{i−1}| exceeds the budget B_i.
   prefetch  as v_i is kept, non-blocking loads of Ê_{·,i} not cached, not in flight, not moved yet.
@@ -40,6 +41,7 @@ Definitions (stated once; the controller, prefetch and ledger all use them):
   hits = prefetched ∩ needed, waste = prefetched − needed, misses = needed − resident − prefetched
   (loaded on demand by the verify pass), needed = the experts the verify pass routed.
 """
+
 from __future__ import annotations
 
 import time
@@ -51,6 +53,7 @@ from draftexpert.decoding import DecodeOutput, Engine, Key, check_context, check
 from draftexpert.metrics import RoundStats
 from draftexpert.speculation.config import SpecConfig
 from draftexpert.speculation.controller import expansion, stop
+from draftexpert.speculation.lookup import Lookup
 
 
 @dataclass
@@ -92,8 +95,11 @@ def sampled_accept(draft: Draft, logits: torch.Tensor, temperature: float, gen) 
 class SpeculativeDecoder:
     """`Decoder` contract: exact self-speculative decoding on `engine` (its drafter proposes)."""
 
-    def __init__(self, engine: Engine, config: SpecConfig = SpecConfig(), trace: list | None = None):
-        self.engine, self.cfg = engine, config
+    def __init__(
+        self, engine: Engine, config: SpecConfig = SpecConfig(), trace: list | None = None, lookup: Lookup | None = None
+    ):
+        self.engine, self.cfg, self.lookup = engine, config, lookup  # lookup: prompt lookup drafts, no forward
+        self._vocab = 0
         self.name = engine.name
         self.trace = trace  # when a list: one dict per round (sets and tokens) for audits and tests
 
@@ -110,10 +116,12 @@ class SpeculativeDecoder:
     # -- phases ---------------------------------------------------------------------------
     def draft(self, committed: list[int], k_limit: int, gen) -> Draft:
         """Propose up to k_limit tokens on the draft path (draft → truncate → prefetch)."""
+        if self.lookup is not None:
+            return self.lookup_draft(committed, k_limit)
         cfg, eng = self.cfg, self.engine
         look_ahead = cfg.truncate or cfg.prefetch  # they need Ê of every kept token, the last one included
         out = Draft()
-        logits = self._draft_forward(committed[eng.draft_length:], out)  # consumes x_0 (and any pending)
+        logits = self._draft_forward(committed[eng.draft_length :], out)  # consumes x_0 (and any pending)
         self._keep(out, eng.predicted())  # x_0 is verified whatever is drafted: never truncated
         for i in range(1, k_limit + 1):
             q = probs(logits, cfg.temperature)
@@ -132,6 +140,17 @@ class SpeculativeDecoder:
             out.q.append(q)
             out.touched_at.append(touched_now)
         return out
+
+    def lookup_draft(self, committed: list[int], k_limit: int) -> Draft:
+        """Prompt lookup's proposal: no forward, no expert touched or predicted; q_j a point mass on
+        v_j, so sampled acceptance keeps v_j with probability p_j(v_j) (Leviathan et al. 2023)."""
+        tokens = self.lookup.propose(committed, k_limit)
+        q = []
+        if self.cfg.temperature > 0:
+            for v in tokens:
+                q.append(torch.zeros(self._vocab))
+                q[-1][v] = 1.0
+        return Draft(tokens=tokens, q=q, touched_at=[0] * len(tokens))
 
     def _draft_forward(self, ids: list[int], out: Draft) -> torch.Tensor:
         logits = self.engine.draft_forward(ids)
@@ -165,8 +184,11 @@ class SpeculativeDecoder:
         check_context(need, self.context_length, len(prompt_ids), max_new_tokens)
         eng.start(need)
         t0 = time.perf_counter()
-        first = sample(eng.prefill(prompt_ids), cfg.temperature, gen)
-        eng.prefill_draft(prompt_ids)
+        logits = eng.prefill(prompt_ids)
+        self._vocab = logits.shape[-1]
+        first = sample(logits, cfg.temperature, gen)
+        if self.lookup is None:
+            eng.prefill_draft(prompt_ids)
         t1 = time.perf_counter()
         committed, tokens = list(prompt_ids) + [first], [first]
         stats = RoundStats(cfg.k_max)
@@ -182,16 +204,26 @@ class SpeculativeDecoder:
             eng.ledger.record_prefetch_outcome(len(pf & needed), len(pf - needed), len(needed - resident - pf))
             emitted, accepted = self.accept(draft, logits, gen)
             if eos_token_id in emitted:
-                emitted = emitted[:emitted.index(eos_token_id) + 1]
-            emitted = emitted[:max_new_tokens - len(tokens)]
+                emitted = emitted[: emitted.index(eos_token_id) + 1]
+            emitted = emitted[: max_new_tokens - len(tokens)]
             stats.add(draft, min(accepted, len(emitted)), verify_unique=len(needed))
             if self.trace is not None:
-                self.trace.append({"start": len(committed) - 1, "block": committed[-1:] + draft.tokens,
-                                   "emitted": emitted, "touched": draft.touched, "predicted": draft.predicted,
-                                   "needed": needed, "prefetched": pf, "resident": resident})
+                self.trace.append(
+                    {
+                        "start": len(committed) - 1,
+                        "block": committed[-1:] + draft.tokens,
+                        "emitted": emitted,
+                        "touched": draft.touched,
+                        "predicted": draft.predicted,
+                        "needed": needed,
+                        "prefetched": pf,
+                        "resident": resident,
+                    }
+                )
             committed += emitted
             tokens += emitted
             eng.commit(len(committed) - 1)  # drop K/V of rejected positions (and of the last token)
         t2 = time.perf_counter()
-        return DecodeOutput(tokens=tokens, prefill_s=t1 - t0, decode_s=t2 - t1,
-                            stats={**stats.counters(), **eng.stats()})
+        return DecodeOutput(
+            tokens=tokens, prefill_s=t1 - t0, decode_s=t2 - t1, stats={**stats.counters(), **eng.stats()}
+        )

@@ -20,6 +20,7 @@ Losses (each term a mean over tokens, and over MoE layers for the per-layer term
 Only the draft experts and γ train; the target's parameters have requires_grad False and are
 checked unchanged. Teacher activations are computed once per batch under no_grad.
 """
+
 from __future__ import annotations
 
 import json
@@ -90,11 +91,16 @@ class DraftExpertModule(nn.Module):
         super().__init__()
         g = torch.Generator().manual_seed(seed)
         self.layers = list(moe_layers)
-        self.gate_up = nn.ParameterDict({str(i): nn.Parameter(torch.randn(2 * intermediate, hidden, generator=g)
-                                                              * hidden ** -0.5) for i in moe_layers})
+        self.gate_up = nn.ParameterDict(
+            {
+                str(i): nn.Parameter(torch.randn(2 * intermediate, hidden, generator=g) * hidden**-0.5)
+                for i in moe_layers
+            }
+        )
         self.down = nn.ParameterDict({str(i): nn.Parameter(torch.zeros(hidden, intermediate)) for i in moe_layers})
-        self.gamma = nn.ParameterDict({str(i): nn.Parameter(torch.ones(()), requires_grad=learn_gamma)
-                                       for i in moe_layers})
+        self.gamma = nn.ParameterDict(
+            {str(i): nn.Parameter(torch.ones(()), requires_grad=learn_gamma) for i in moe_layers}
+        )
 
     def forward(self, layer: int, h: torch.Tensor) -> torch.Tensor:
         """γ_l E^d_l(h): h [N, H] → [N, H]."""
@@ -109,12 +115,15 @@ class DraftExpertModule(nn.Module):
             self.gamma[str(i)].fill_(experts.gamma[i])
 
     def export(self) -> DraftExperts:
-        return DraftExperts({i: self.gate_up[str(i)].detach().cpu().clone() for i in self.layers},
-                            {i: self.down[str(i)].detach().cpu().clone() for i in self.layers},
-                            {i: float(self.gamma[str(i)].detach()) for i in self.layers})
+        return DraftExperts(
+            {i: self.gate_up[str(i)].detach().cpu().clone() for i in self.layers},
+            {i: self.down[str(i)].detach().cpu().clone() for i in self.layers},
+            {i: float(self.gamma[str(i)].detach()) for i in self.layers},
+        )
 
 
 # -- the two paths ------------------------------------------------------------------------------
+
 
 def moe_layers(hf_model) -> list[tuple[int, nn.Module]]:
     return [(i, layer.mlp) for i, layer in enumerate(hf_model.model.layers) if hasattr(layer.mlp, "gate")]
@@ -159,6 +168,7 @@ def target_pass(model, cfg: ModelConfig, x: torch.Tensor) -> dict:
             logits, w, idx = router_choice(moe, cfg, h)
             m = output.reshape(-1, h.shape[-1]) - moe.shared_experts(h) - top1_term(moe, h, w, idx)
             acts[i] = {"m": m, "log_r": router_distribution(logits, cfg), "topk": idx}
+
         return fn
 
     handles = [moe.register_forward_hook(hook(i)) for i, moe in moe_layers(model)]
@@ -183,6 +193,7 @@ def draft_pass(model, cfg: ModelConfig, draft: DraftExpertModule, x: torch.Tenso
             de = draft(i, h)
             acts[i] = {"de": de, "log_r": router_distribution(logits, cfg), "topk": idx}
             return (moe.shared_experts(h) + top1_term(moe, h, w, idx) + de).reshape(shape)
+
         return forward
 
     for i, moe in moe_layers(model):
@@ -196,6 +207,7 @@ def draft_pass(model, cfg: ModelConfig, draft: DraftExpertModule, x: torch.Tenso
 
 
 # -- teachers: where the two paths run ----------------------------------------------------------
+
 
 class TransformersTeacher:
     """Both paths through the frozen transformers model — the whole target in memory (the
@@ -294,8 +306,9 @@ class RuntimeTeacher:
             L = m.layers[i]
             e1 = idx[:, :1]
             with set_checkpoint_early_stop(False):  # the recompute runs to the end: its loads reach the ledger
-                top1 = checkpoint(lambda h_, w_: self._routed(i, h_, w_, e1, phase)[0], h, w[:, :1],
-                                  use_reentrant=False)
+                top1 = checkpoint(
+                    lambda h_, w_: self._routed(i, h_, w_, e1, phase)[0], h, w[:, :1], use_reentrant=False
+                )
             de = draft(i, h.float()).to(h.dtype)
             acts[-1][i] = {"de": de, "log_r": router_distribution(m.router_logits[i], self.cfg), "topk": idx}
             return x_ + m.mlp(h, L["shared_gate_up"], L["shared_down"]) + top1 + de
@@ -314,17 +327,23 @@ def losses(target: dict, draft: dict, terms: tuple[str, ...], temperature: float
     out = {}
     zt, zd = target["logits"].flatten(0, 1).float(), draft["logits"].flatten(0, 1).float()
     if "res" in terms:
-        out["res"] = torch.stack([(draft["layers"][i]["de"] - a["m"]).pow(2).sum(-1).mean()
-                                  for i, a in target["layers"].items()]).mean()
+        out["res"] = torch.stack(
+            [(draft["layers"][i]["de"] - a["m"]).pow(2).sum(-1).mean() for i, a in target["layers"].items()]
+        ).mean()
     if "logit" in terms:
         T = temperature
-        out["logit"] = T * T * F.kl_div((zd / T).log_softmax(-1), (zt / T).log_softmax(-1), log_target=True,
-                                        reduction="batchmean")
+        out["logit"] = (
+            T * T * F.kl_div((zd / T).log_softmax(-1), (zt / T).log_softmax(-1), log_target=True, reduction="batchmean")
+        )
     if "tok" in terms:
         out["tok"] = F.cross_entropy(zd, zt.argmax(-1))
     if "router" in terms:
-        out["router"] = torch.stack([F.kl_div(draft["layers"][i]["log_r"], a["log_r"], log_target=True,
-                                              reduction="batchmean") for i, a in target["layers"].items()]).mean()
+        out["router"] = torch.stack(
+            [
+                F.kl_div(draft["layers"][i]["log_r"], a["log_r"], log_target=True, reduction="batchmean")
+                for i, a in target["layers"].items()
+            ]
+        ).mean()
     return out
 
 
@@ -352,8 +371,14 @@ def token_counts(zt: torch.Tensor, zd: torch.Tensor) -> dict:
     bucket = torch.bucketize(top[:, 0] - top[:, 1], torch.tensor(MARGIN_EDGES[1:-1]))
     n_b = torch.bincount(bucket, minlength=len(MARGIN_EDGES) - 1)
     a_b = torch.bincount(bucket[ok], minlength=len(MARGIN_EDGES) - 1)
-    return {"kl_sum": kl, "agree": ok.sum().item(), "tokens": zt.shape[0], "p1_sum": top[:, 0].sum().item(),
-            "margin_tokens": n_b.tolist(), "margin_agree": a_b.tolist()}
+    return {
+        "kl_sum": kl,
+        "agree": ok.sum().item(),
+        "tokens": zt.shape[0],
+        "p1_sum": top[:, 0].sum().item(),
+        "margin_tokens": n_b.tolist(),
+        "margin_agree": a_b.tolist(),
+    }
 
 
 @torch.no_grad()
@@ -372,19 +397,24 @@ def agreement(target: dict, draft: dict, k: int) -> dict:
 def add_counts(tot: dict, a: dict) -> dict:
     """tot += a, key by key (lists element by element)."""
     for key, v in a.items():
-        tot[key] = ([x + y for x, y in zip(tot.get(key, [0] * len(v)), v)] if isinstance(v, list)
-                    else tot.get(key, 0) + v)
+        tot[key] = (
+            [x + y for x, y in zip(tot.get(key, [0] * len(v)), v)] if isinstance(v, list) else tot.get(key, 0) + v
+        )
     return tot
 
 
 def by_margin(tot: dict) -> dict:
     """Per target-margin bucket: the share of tokens there and the draft's agreement there (NaN where empty)."""
     n, a = tot["margin_tokens"], tot["margin_agree"]
-    return {"edges": list(MARGIN_EDGES), "share": [x / tot["tokens"] for x in n],
-            "token_agreement": [y / x if x else float("nan") for x, y in zip(n, a)]}
+    return {
+        "edges": list(MARGIN_EDGES),
+        "share": [x / tot["tokens"] for x in n],
+        "token_agreement": [y / x if x else float("nan") for x, y in zip(n, a)],
+    }
 
 
 # -- checkpoints --------------------------------------------------------------------------------
+
 
 def save_draft_experts(path: Path, experts: DraftExperts, target_folder: Path, meta: dict) -> None:
     """safetensors with `layers.<l>.{gate_up,down,gamma}` and metadata: the target's fingerprint,
@@ -396,8 +426,11 @@ def save_draft_experts(path: Path, experts: DraftExperts, target_folder: Path, m
         tensors[f"layers.{i}.gamma"] = torch.tensor([experts.gamma[i]], dtype=torch.float32)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".part")
-    save_file(tensors, str(tmp), metadata={"target_sha256": weights_fingerprint(target_folder),
-                                           "draftexpert": json.dumps(meta)})
+    save_file(
+        tensors,
+        str(tmp),
+        metadata={"target_sha256": weights_fingerprint(target_folder), "draftexpert": json.dumps(meta)},
+    )
     tmp.rename(path)
 
 
@@ -405,66 +438,83 @@ def load_draft_experts(path: Path, target_folder: Path) -> tuple[DraftExperts, d
     """Draft experts paired with the target in `target_folder`; refuses any other target."""
     path = Path(path)
     if not path.is_file():
-        raise DistillError(f"no draft-expert checkpoint at {path}: train one with "
-                           f"`bench distill --model <model> --preset full` or pass --draft-experts <file>")
+        raise DistillError(
+            f"no draft-expert checkpoint at {path}: train one with "
+            f"`bench distill --model <model> --preset full` or pass --draft-experts <file>"
+        )
     try:
         f = safe_open(str(path), "pt")
     except Exception as e:  # noqa: BLE001 - safetensors raises its own error type for a bad header
-        raise DistillError(f"--draft-experts {path} is not a readable safetensors file ({str(e)[:120]}); "
-                           "pass a checkpoint written by `bench distill`") from None
+        raise DistillError(
+            f"--draft-experts {path} is not a readable safetensors file ({str(e)[:120]}); "
+            "pass a checkpoint written by `bench distill`"
+        ) from None
     with f:
         meta = f.metadata() or {}
         names = list(f.keys())
         if "target_sha256" not in meta or not names or not all(n.startswith("layers.") for n in names):
             looks = " (it holds model weights)" if any(n.startswith("model.") for n in names) else ""
-            raise DistillError(f"--draft-experts {path} is not a draft-expert checkpoint{looks}: it carries no "
-                               "`target_sha256` pairing; pass a file written by `bench distill`")
+            raise DistillError(
+                f"--draft-experts {path} is not a draft-expert checkpoint{looks}: it carries no "
+                "`target_sha256` pairing; pass a file written by `bench distill`"
+            )
         want = meta["target_sha256"]
         have = weights_fingerprint(target_folder)
         if want != have:
-            raise DistillError(f"{path} was distilled from a different target (its weights hash "
-                               f"{str(want)[:12]}…, the model in {target_folder} hashes {have[:12]}…): draft "
-                               "experts only fit the exact target they were trained against")
+            raise DistillError(
+                f"{path} was distilled from a different target (its weights hash "
+                f"{str(want)[:12]}…, the model in {target_folder} hashes {have[:12]}…): draft "
+                "experts only fit the exact target they were trained against"
+            )
         layers = sorted({int(k.split(".")[1]) for k in names})
-        de = DraftExperts({i: f.get_tensor(f"layers.{i}.gate_up") for i in layers},
-                          {i: f.get_tensor(f"layers.{i}.down") for i in layers},
-                          {i: float(f.get_tensor(f"layers.{i}.gamma")[0]) for i in layers})
+        de = DraftExperts(
+            {i: f.get_tensor(f"layers.{i}.gate_up") for i in layers},
+            {i: f.get_tensor(f"layers.{i}.down") for i in layers},
+            {i: float(f.get_tensor(f"layers.{i}.gamma")[0]) for i in layers},
+        )
     return de, json.loads(meta.get("draftexpert", "{}"))
 
 
-
-
 # -- training -----------------------------------------------------------------------------------
+
 
 def sample_batch(data, step: int, cfg: DistillConfig) -> torch.Tensor:
     """B windows of T tokens at positions drawn from a generator seeded by (seed, step): a resumed
     run sees the same batches."""
     rng = np.random.default_rng([cfg.seed, step])
     starts = rng.integers(0, len(data) - cfg.seq_len, size=cfg.batch_size)
-    return torch.from_numpy(np.stack([data[s:s + cfg.seq_len] for s in starts]).astype(np.int64))
+    return torch.from_numpy(np.stack([data[s : s + cfg.seq_len] for s in starts]).astype(np.int64))
 
 
 def eval_windows(data, n: int, seq_len: int) -> list[torch.Tensor]:
     """n windows spread evenly over a held-out split, in batches of 4."""
     stride = max(seq_len, (len(data) - seq_len) // n)
-    rows = [np.asarray(data[i * stride:i * stride + seq_len], dtype=np.int64) for i in range(n)
-            if i * stride + seq_len <= len(data)]
-    return [torch.from_numpy(np.stack(rows[i:i + 4])) for i in range(0, len(rows), 4)]
+    rows = [
+        np.asarray(data[i * stride : i * stride + seq_len], dtype=np.int64)
+        for i in range(n)
+        if i * stride + seq_len <= len(data)
+    ]
+    return [torch.from_numpy(np.stack(rows[i : i + 4])) for i in range(0, len(rows), 4)]
 
 
 @torch.no_grad()
 def evaluate(teacher, draft: DraftExpertModule, windows: list[torch.Tensor]) -> dict:
     """Table 5's platform-independent metrics on held-out windows (teacher-forced):
-      kl                = mean over tokens of KL(target ‖ draft) of the next-token distributions
-      token_agreement   = fraction of tokens with draft argmax = target argmax
-      router_agreement  = mean over MoE layers and tokens of |draft top-k ∩ target top-k| / k
-      by_target_margin  = share of tokens and token agreement per bucket of the target's top-1 margin"""
+    kl                = mean over tokens of KL(target ‖ draft) of the next-token distributions
+    token_agreement   = fraction of tokens with draft argmax = target argmax
+    router_agreement  = mean over MoE layers and tokens of |draft top-k ∩ target top-k| / k
+    by_target_margin  = share of tokens and token agreement per bucket of the target's top-1 margin"""
     tot: dict = {}
     for x in windows:
         add_counts(tot, agreement(teacher.target_pass(x), teacher.draft_pass(draft, x), teacher.cfg.top_k))
-    return {"kl": tot["kl_sum"] / tot["tokens"], "token_agreement": tot["agree"] / tot["tokens"],
-            "router_agreement": tot["router_sum"] / tot["router_n"], "tokens": tot["tokens"],
-            "target_top1_prob": tot["p1_sum"] / tot["tokens"], "by_target_margin": by_margin(tot)}
+    return {
+        "kl": tot["kl_sum"] / tot["tokens"],
+        "token_agreement": tot["agree"] / tot["tokens"],
+        "router_agreement": tot["router_sum"] / tot["router_n"],
+        "tokens": tot["tokens"],
+        "target_top1_prob": tot["p1_sum"] / tot["tokens"],
+        "by_target_margin": by_margin(tot),
+    }
 
 
 @torch.no_grad()
@@ -477,9 +527,13 @@ def evaluate_continuations(teacher, draft: DraftExpertModule, sequences: list[tu
         at = slice(len(prompt) - 1, len(prompt) - 1 + len(emitted))
         zt, zd = teacher.target_pass(x)["logits"][0, at], teacher.draft_pass(draft, x)["logits"][0, at]
         add_counts(tot, token_counts(zt, zd))
-    return {"kl": tot["kl_sum"] / tot["tokens"], "token_agreement": tot["agree"] / tot["tokens"],
-            "tokens": tot["tokens"], "target_top1_prob": tot["p1_sum"] / tot["tokens"],
-            "by_target_margin": by_margin(tot)}
+    return {
+        "kl": tot["kl_sum"] / tot["tokens"],
+        "token_agreement": tot["agree"] / tot["tokens"],
+        "tokens": tot["tokens"],
+        "target_top1_prob": tot["p1_sum"] / tot["tokens"],
+        "by_target_margin": by_margin(tot),
+    }
 
 
 def lr_at(step: int, cfg: DistillConfig) -> float:
@@ -489,23 +543,33 @@ def lr_at(step: int, cfg: DistillConfig) -> float:
     return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
 
 
-def train(teacher, train_data, val_windows: list[torch.Tensor], cfg: DistillConfig, state_dir: Path,
-          log=print, progress: bool = True) -> tuple[DraftExpertModule, list[dict]]:
+def train(
+    teacher,
+    train_data,
+    val_windows: list[torch.Tensor],
+    cfg: DistillConfig,
+    state_dir: Path,
+    log=print,
+    progress: bool = True,
+) -> tuple[DraftExpertModule, list[dict]]:
     """Distil draft experts against a frozen target (`TransformersTeacher` or `RuntimeTeacher`;
     resumable from `state_dir`).
     Returns the module and the history: one record per step (each loss term, lr, seconds) and an
     evaluation record every `eval_every` steps."""
     torch.set_num_threads(cfg.threads)
-    draft = DraftExpertModule(teacher.moe_layers, teacher.cfg.hidden, cfg.intermediate, cfg.learn_gamma,
-                              cfg.seed).to(teacher.device)  # trained where the model computes
+    draft = DraftExpertModule(teacher.moe_layers, teacher.cfg.hidden, cfg.intermediate, cfg.learn_gamma, cfg.seed).to(
+        teacher.device
+    )  # trained where the model computes
     terms = PRESETS[cfg.preset]
     opt = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=0.0)
     state_path, start, history = Path(state_dir) / "state.pt", 0, []
     if state_path.exists():
         st = torch.load(state_path, weights_only=False, map_location=teacher.device)
         if st["config"] != asdict(cfg):
-            raise DistillError(f"{state_path} holds a run with another configuration ({st['config']}); "
-                               "delete it or pass the same options to resume")
+            raise DistillError(
+                f"{state_path} holds a run with another configuration ({st['config']}); "
+                "delete it or pass the same options to resume"
+            )
         draft.load_state_dict(st["draft"])
         opt.load_state_dict(st["opt"])
         start, history = st["step"], st["history"]
@@ -526,13 +590,22 @@ def train(teacher, train_data, val_windows: list[torch.Tensor], cfg: DistillConf
         teacher.backward(loss)
         torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
         opt.step()
-        rec = {"step": step + 1, "loss": loss.item(), **{k: v.item() for k, v in parts.items()},
-               "lr": opt.param_groups[0]["lr"], "seconds": time.perf_counter() - t0, "tokens": x.numel()}
+        rec = {
+            "step": step + 1,
+            "loss": loss.item(),
+            **{k: v.item() for k, v in parts.items()},
+            "lr": opt.param_groups[0]["lr"],
+            "seconds": time.perf_counter() - t0,
+            "tokens": x.numel(),
+        }
         if (step + 1) % cfg.eval_every == 0 or step + 1 == steps:
             rec["eval"] = evaluate(teacher, draft, val_windows)
-            log(f"step {step + 1}: loss {rec['loss']:.4f} " + " ".join(f"{k} {rec[k]:.4f}" for k in parts)
+            log(
+                f"step {step + 1}: loss {rec['loss']:.4f} "
+                + " ".join(f"{k} {rec[k]:.4f}" for k in parts)
                 + f" | held-out KL {rec['eval']['kl']:.4f}, token agreement {rec['eval']['token_agreement']:.3f}, "
-                  f"router agreement {rec['eval']['router_agreement']:.3f}")
+                f"router agreement {rec['eval']['router_agreement']:.3f}"
+            )
         history.append(rec)
         if bar:
             bar.update(1)
@@ -540,8 +613,16 @@ def train(teacher, train_data, val_windows: list[torch.Tensor], cfg: DistillConf
         if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == steps:
             state_path.parent.mkdir(parents=True, exist_ok=True)
             tmp = state_path.with_suffix(".part")
-            torch.save({"config": asdict(cfg), "draft": draft.state_dict(), "opt": opt.state_dict(),
-                        "step": step + 1, "history": history}, tmp)
+            torch.save(
+                {
+                    "config": asdict(cfg),
+                    "draft": draft.state_dict(),
+                    "opt": opt.state_dict(),
+                    "step": step + 1,
+                    "history": history,
+                },
+                tmp,
+            )
             tmp.rename(state_path)
     if bar:
         bar.close()
