@@ -18,6 +18,7 @@ import typer
 
 from bench.cells import registry
 from draftexpert.speculation.config import SpecConfig
+from draftexpert.speculation.lookup import PLD_TOKENS, Lookup
 
 app = typer.Typer(
     help="DraftExpert: exact, expansion-aware self-speculative decoding for offloaded MoE models.",
@@ -740,7 +741,7 @@ def run(
     ctx: typer.Context,
     model: ModelOpt = "ds-tiny",
     model_path: ModelPathOpt = None,
-    method: Annotated[str, typer.Option("--method", help="ar | top-r | draftexpert | reference")] = "ar",
+    method: Annotated[str, typer.Option("--method", help="ar | top-r | draftexpert | pld | reference")] = "ar",
     platform: PlatformOpt = "mn",
     expert_type: ExpertTypeOpt = "q4_0",
     cache_experts: Annotated[
@@ -771,6 +772,12 @@ def run(
     ] = False,
     out: OutOpt = None,
     r: Annotated[int, typer.Option("--r", min=1, help="top-r: routed experts the drafter runs.")] = 1,
+    pld_tokens: Annotated[
+        int, typer.Option("--pld-tokens", min=1, help="pld: tokens prompt lookup proposes at most.")
+    ] = PLD_TOKENS,
+    pld_max_ngram: Annotated[
+        int, typer.Option("--pld-max-ngram", min=1, help="pld: the longest suffix looked up (then down to 1).")
+    ] = Lookup.max_ngram,
     k_max: KMaxOpt = SPEC.k_max,
     tau: TauOpt = SPEC.tau,
     budget: BudgetOpt = SPEC.budget,
@@ -805,8 +812,10 @@ def run(
     `ar`: autoregressive decoding on the expert-offload runtime (the paper's baseline; every
     expert load is counted by the ledger). `top-r`: exact self-speculation with shared + top-r
     as drafter; `draftexpert`: with shared + top-1 + draft expert, confidence–expansion
-    truncation and draft-router prefetch (Algorithm 1). `reference`: the target's plain greedy
-    decoding through transformers, weights resident — the exactness oracle."""
+    truncation and draft-router prefetch (Algorithm 1); `pld`: prompt lookup, the
+    training-free drafter (n-gram matches in the prompt and the output so far; no forward).
+    `reference`: the target's plain greedy decoding through transformers, weights resident — the
+    exactness oracle."""
     from bench.cells.decoders import make_decoder
     from bench.runs.readcap import ReadCap
     from bench.runs.runner import OVERFLOW, run_cells
@@ -835,6 +844,8 @@ def run(
         head_type=head_type,
         compile=compile,
         r=r,
+        pld_tokens=pld_tokens,
+        pld_max_ngram=pld_max_ngram,
         k_max=k_max,
         tau=tau,
         budget=budget,

@@ -18,6 +18,7 @@ from draftexpert.engines.llama_gguf import link_experts, split_name, write_head
 from draftexpert.runtime.loader import build_model, convert_experts
 from draftexpert.runtime.model import KVCache, route
 from draftexpert.speculation.drafters import DraftExperts, draftexpert
+from draftexpert.speculation.lookup import Lookup
 from draftexpert.speculation.round import SpecConfig
 from tests.conftest import run_bench
 
@@ -347,3 +348,29 @@ def test_a_failing_load_hook_fails_the_eval(ckpt):
     lm.reset()
     assert lm.eval(PROMPTS[0]).shape[0] == len(PROMPTS[0])  # the model is usable again
     lm.close()
+
+
+@pytest.mark.parametrize("qtype", ["f32", "q4_0"])
+def test_prompt_lookup_equals_llama_cpp_ar(ckpt, qtype):
+    """Greedy prompt lookup on llama.cpp (no drafter model at all) emits llama.cpp's own AR tokens."""
+    head, experts = model_files(ckpt, qtype)
+    pages = ExpertPages(experts)
+    target = LlamaModel(head, 256, 1)
+    ar = AROffloadDecoder(LlamaEngine(target, pages))
+    prompts = [ids + ids[: len(ids) // 2] + ids for ids in PROMPTS]  # prompts that repeat: lookup proposes
+    drafted = accepted = 0
+    for k in (2, 10):
+        pld = SpeculativeDecoder(
+            LlamaEngine(target, pages, name="pld"),
+            SpecConfig(k_max=k, truncate=False, prefetch=False),
+            lookup=Lookup(3),
+        )
+        for ids in prompts:
+            want = ar.generate(ids, 24, None).tokens
+            out = pld.generate(ids, 24, None)
+            assert out.tokens == want, (qtype, k)
+            drafted, accepted = drafted + out.stats["drafted"], accepted + out.stats["accepted"]
+            assert out.stats.get("draft_forwards", 0) == 0
+    assert drafted > 0 and accepted < drafted, "lookup must propose and be rejected sometimes, or nothing is tested"
+    target.close()
+    pages.close()

@@ -23,8 +23,9 @@ from draftexpert.runtime.ggml_kernel import KERNELS
 from draftexpert.runtime.gguf_layout import TYPES
 from draftexpert.runtime.loader import HEAD_TYPES
 from draftexpert.speculation.config import BUDGET_MODES, DRAFT_CACHES, SpecConfig
+from draftexpert.speculation.lookup import PLD_TOKENS, Lookup
 
-Method = Literal["ar", "reference", "top-r", "draftexpert"]
+Method = Literal["ar", "reference", "top-r", "draftexpert", "pld"]
 Platform = Literal["mn", "cg", "resident"]
 EngineName = Literal["torch", "llama.cpp"]
 # The torch engine's compute dtype. Experts are held and moved in the checkpoint's dtype (bf16 for the real
@@ -38,7 +39,7 @@ METHODS: tuple[str, ...] = get_args(Method)
 PLATFORMS = {"mn": "flash", "cg": "host", "resident": "resident"}  # platform → expert store (torch engine)
 ENGINES: tuple[str, ...] = get_args(EngineName)
 DTYPES: tuple[str, ...] = get_args(Dtype)
-SPEC_METHODS = ("top-r", "draftexpert")
+SPEC_METHODS = ("top-r", "draftexpert", "pld")
 STAGINGS = {"torch": tuple(TORCH_STAGING), "llama.cpp": ("demand", "pagefault")}
 EXPERT_KERNELS = ("auto", *KERNELS)
 
@@ -66,19 +67,23 @@ class SpecOptions:
 
     r: int = 1
     draft_experts: Path | None = None
+    pld_tokens: int = PLD_TOKENS  # prompt lookup: tokens proposed at most (its round's K_max)
+    pld_max_ngram: int = Lookup.max_ngram  # prompt lookup: the longest suffix looked up (then down to 1)
     round: SpecConfig = field(default_factory=SpecConfig)
 
     def with_(self, **overrides) -> SpecOptions:
         """The same options with some changed; a key is the drafter's or a `SpecConfig` field."""
-        own = {k: overrides.pop(k) for k in ("r", "draft_experts") if k in overrides}
+        own = {k: overrides.pop(k) for k in DRAFTER_FIELDS if k in overrides}
         unknown = set(overrides) - ROUND_FIELDS
         if unknown:
             raise CellError(f"unknown speculation option(s): {', '.join(sorted(unknown))}")
         for name, allowed in (("budget_mode", BUDGET_MODES), ("draft_cache", DRAFT_CACHES)):
             if name in overrides:
                 _choice(name, overrides[name], allowed)
-        if overrides.get("k_max", 1) < 1 or own.get("r", 1) < 1:
-            raise CellError(f"--k-max and --r are at least 1, not {overrides.get('k_max', own.get('r'))}")
+        counts = (("k_max", overrides.get("k_max", 1)), *((k, v) for k, v in own.items() if k != "draft_experts"))
+        for name, value in counts:
+            if value < 1:
+                raise CellError(f"{flag(name)} is at least 1, not {value}")
         return replace(self, **own, round=replace(self.round, **overrides))
 
     def as_dict(self) -> dict:
@@ -88,9 +93,14 @@ class SpecOptions:
             **asdict(self.round),
         }
 
+    def lookup(self) -> Lookup:
+        """Prompt lookup's settings (`--method pld`)."""
+        return Lookup(max_ngram=self.pld_max_ngram)
+
 
 ROUND_FIELDS = {f.name for f in fields(SpecConfig)} - {"temperature", "seed"}  # sampling is the cell's own
-SPEC_FIELDS = {"r", "draft_experts", *ROUND_FIELDS}
+DRAFTER_FIELDS = ("r", "draft_experts", "pld_tokens", "pld_max_ngram")
+SPEC_FIELDS = {*DRAFTER_FIELDS, *ROUND_FIELDS}
 
 
 @dataclass(frozen=True)
@@ -150,7 +160,7 @@ class Cell:
         if self.engine == "llama.cpp":
             if self.method not in ("ar", *SPEC_METHODS):
                 raise CellError(
-                    f"--method {self.method} does not run on the llama.cpp engine (ar, top-r, draftexpert do)"
+                    f"--method {self.method} does not run on the llama.cpp engine (ar, top-r, draftexpert, pld do)"
                 )
             if self.platform not in ("mn", "resident"):
                 raise CellError(
@@ -224,6 +234,8 @@ class Cell:
     def round_config(self) -> SpecConfig:
         """The round's settings as the decoder runs them (sampling is the cell's)."""
         conf = replace(self.spec.round, temperature=self.temperature, seed=self.seed)
+        if self.method == "pld":  # no draft forward: nothing to truncate on, nothing predicted to prefetch
+            conf = replace(conf, k_max=self.spec.pld_tokens, truncate=False, prefetch=False)
         return replace(conf, draft_cache="shared") if self.engine == "llama.cpp" else conf  # its own context
 
     def method_args(self, resolved: Resolved = Resolved()) -> dict:
@@ -245,7 +257,9 @@ class Cell:
                 args["r"] = spec.r
             elif self.method == "draftexpert":
                 args["draft_experts"] = resolved.draft_experts
-            if self.speculative:
+            if self.method == "pld":
+                args.update(self._pld_args())
+            elif self.speculative:
                 args.update({k: v for k, v in round_args.items() if k != "draft_cache"})
         else:
             args = {"store": self.store, "device": resolved.device, "cache_experts": self.cache_experts}
@@ -267,7 +281,9 @@ class Cell:
                     staging_budget=self.staging_budget,
                     staging=TORCH_STAGING[self.staging],
                 )
-            if self.speculative:
+            if self.method == "pld":
+                args.update(self._pld_args())
+            elif self.speculative:
                 args.update(round_args)
                 if self.method == "top-r":
                     args["r"] = spec.r
@@ -276,6 +292,10 @@ class Cell:
         if self.read_bw:
             args["read_bw"] = self.read_bw  # a capped cell is another cell
         return args
+
+    def _pld_args(self) -> dict:
+        s = self.spec
+        return {"drafter": "prompt lookup", "pld_tokens": s.pld_tokens, "pld_max_ngram": s.pld_max_ngram}
 
     def config(self, resolved: Resolved = Resolved()) -> CellConfig:
         """The configuration a record's key is hashed from."""
@@ -332,6 +352,7 @@ class Rule:
 
 
 SPEC_FLAGS = ("r", "k_max", "tau", "budget", "budget_mode", "truncate", "prefetch", "draft_cache", "draft_experts")
+PLD_FLAGS = ("pld_tokens", "pld_max_ngram")
 _offload = lambda c: c.method != "reference"  # noqa: E731 - the reference runs none of the offload options
 REFERENCE_WHY = "to --method reference (transformers' greedy decoding, every weight resident)"
 NO_STORAGE = "(nothing is read from storage)"
@@ -339,6 +360,12 @@ RULES: tuple[Rule, ...] = (
     Rule(
         SPEC_FLAGS, lambda c: not c.speculative, lambda c: f"to --method {c.method} (they set the speculative methods)"
     ),
+    Rule(
+        tuple(f for f in SPEC_FLAGS if f != "draft_cache"),
+        lambda c: c.method == "pld",
+        lambda c: "to --method pld (prompt lookup drafts with no model: --pld-tokens and --pld-max-ngram set it)",
+    ),
+    Rule(PLD_FLAGS, lambda c: c.method != "pld", lambda c: f"to --method {c.method} (they set --method pld)"),
     Rule(
         ("draft_experts",),
         lambda c: c.method == "top-r",

@@ -171,6 +171,10 @@ def make_llama_decoder(cell: Cell, folder: Path, expert_file: Callable[[str], Pa
     if cell.method == "ar":
         engine = LlamaEngine(LlamaModel(target_head, n_ctx, threads, kv_type=kv), ExpertPages(experts), staging=staging)
         decoder = AROffloadDecoder(engine)
+    elif cell.method == "pld":  # no drafter model: proposals come from the sequence itself
+        target = LlamaModel(target_head, n_ctx, threads, kv_type=kv)
+        engine = LlamaEngine(target, ExpertPages(experts), name="pld", staging=staging)
+        decoder = SpeculativeDecoder(engine, cell.round_config(), lookup=cell.spec.lookup())
     else:
         if cell.method == "top-r":
             drafter_head, used, name = target_head, cell.spec.r, cell.label
@@ -259,6 +263,8 @@ def _make_torch_decoder(cell: Cell, folder: Path, expert_file: Callable[[str], P
         target.compile_decode()
     if cell.method == "ar":
         decoder = AROffloadDecoder(TorchEngine(target), temperature=cell.temperature, seed=cell.seed)
+    elif cell.method == "pld":
+        decoder = SpeculativeDecoder(TorchEngine(target), cell.round_config(), lookup=cell.spec.lookup())
     else:
         conf = cell.round_config()
         path = make_draft_path(target, cell.method, r=cell.spec.r, experts=experts)

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+PLD_TOKENS = 10  # tokens proposed at most (prompt lookup decoding's reference setting)
+
 
 def lookup(context: list[int], k: int, max_ngram: int = 3, min_ngram: int = 1) -> list[int]:
     """Up to k tokens that followed the most recent earlier occurrence of the longest suffix of
