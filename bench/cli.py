@@ -45,17 +45,22 @@ PlatformOpt = Annotated[
     ),
 ]
 ExpertTypeOpt = Annotated[str, typer.Option("--expert-type", help="mn: f32 | f16 | bf16 | q4_0")]
-SuiteOpt = Annotated[list[str] | None, typer.Option("--suite", help="Prompt suite(s); default all six.")]
+SuiteOpt = Annotated[
+    list[str] | None, typer.Option("--suite", help="Prompt suite(s); default the six (spec_bench: Spec-Bench's 480).")
+]
 PromptsOpt = Annotated[
     Path | None,
     typer.Option(
         "--prompts",
         help="Your own prompts instead of the suites: JSONL of "
-        '{"category", "prompt"} (id optional), or CSV / Parquet with those '
-        "columns.",
+        '{"category", "prompt"} (id optional) or of Spec-Bench / MT-Bench questions '
+        '{"question_id", "category", "turns"} (every turn decoded, --max-new-tokens each), '
+        "or CSV / Parquet with category and prompt columns.",
     ),
 ]
-LimitOpt = Annotated[int | None, typer.Option("--limit", min=1, help="First N prompts of each suite.")]
+LimitOpt = Annotated[
+    int | None, typer.Option("--limit", min=1, help="First N prompts of each suite (spec_bench: of each task).")
+]
 MaxNewTokensOpt = Annotated[int, typer.Option("--max-new-tokens", min=1)]
 ThreadsOpt = Annotated[int | None, typer.Option("--threads", min=1, help="torch CPU threads.")]
 OutOpt = Annotated[
@@ -593,9 +598,9 @@ def convert(
 def _check_suites(suite: list[str] | None) -> None:
     from bench.suites import prompts
 
-    unknown = [s for s in suite or [] if s not in prompts.SUITES]
+    unknown = [s for s in suite or [] if s not in prompts.SUITE_NAMES]
     if unknown:
-        fail(f"--suite: unknown suite(s) {', '.join(unknown)}; known: {', '.join(prompts.SUITES)}")
+        fail(f"--suite: unknown suite(s) {', '.join(unknown)}; known: {', '.join(prompts.SUITE_NAMES)}")
 
 
 def given_options(ctx: typer.Context) -> set[str]:
@@ -1146,6 +1151,30 @@ def sweep(
         text + f"\n\n{sum(d['written'] for d in done)} written, {sum(d['skipped'] for d in done)} already done "
         f"→ {out_dir}",
     )
+
+
+@app.command()
+def export(
+    run_dir: Annotated[Path, typer.Argument(help="A run folder (records.jsonl) of `bench run`.")],
+    out: Annotated[Path, typer.Option("-o", "--out", help="The answer file to write (JSONL).")],
+    fmt: Annotated[str, typer.Option("--format", help="spec-bench")] = "spec-bench",
+    config: Annotated[
+        str | None, typer.Option("--config-hash", help="The configuration, where the folder holds several.")
+    ] = None,
+    model_id: Annotated[str | None, typer.Option("--model-id", help="Default: <model>-<method>.")] = None,
+):
+    """A run's answers for another harness: `--format spec-bench` writes Spec-Bench's answer file
+    (question_id, category, answer_id, model_id, tstamp, choices: turns, decoding_steps, new_tokens,
+    wall_time, accept_lengths), which its evaluation/speed.py and equal.py read unchanged."""
+    from bench.runs.export import ExportError, export_spec_bench
+
+    if fmt != "spec-bench":
+        fail(f"--format: {fmt!r} is not one of spec-bench")
+    try:
+        n = export_spec_bench(run_dir, out, config, model_id)
+    except ExportError as e:
+        fail(str(e))
+    log(f"{n} answers → {out}")
 
 
 @app.command()

@@ -4,6 +4,7 @@ figures and `distill-eval` sum counters over records and call `derive`; nobody e
 
 Counters (summable; per prompt in a record, summed over records for a table row):
   new_tokens, decode_s     tokens emitted (tokens[0] from the prefill) and the decode phase's seconds
+  prefills                 prompt forwards (1 a record; a multi-turn question's record: one a turn)
   rounds                   draft → verify rounds
   drafted, accepted        Σ K (kept draft tokens sent to verification), Σ accepted draft tokens
   truncated                rounds the controller stopped before K_max
@@ -17,7 +18,7 @@ Counters (summable; per prompt in a record, summed over records for a table row)
   prefetch_{issued,bytes,hits,waste,misses}   see the Ledger
   {ar,draft,verify}_s, _stall_s, _forwards    per phase: forward seconds, stall, forwards
 Derived (`derive`):
-  decode_tps          = (new_tokens − 1) / decode_s        (tokens[0] is timed with the prefill)
+  decode_tps          = (new_tokens − prefills) / decode_s   (each prefill's token is timed with it)
   acceptance α        = accepted / drafted
   mean_accepted_length τ = 1 + accepted / rounds            (tokens emitted per verify forward)
   per_position_acceptance[j] = accepted_at[j] / drafted_at[j]
@@ -48,6 +49,7 @@ PHASES = ("ar", "draft", "verify")  # decode phases whose forwards are timed sep
 PREFETCH = ("issued", "bytes", "hits", "waste", "misses")
 SCALARS = (
     "new_tokens",
+    "prefills",
     "decode_s",
     "rounds",
     "drafted",
@@ -132,6 +134,8 @@ def ledger_counters(ledger: dict | None) -> dict:
 def counters(record: dict) -> dict:
     """The counters of one record (or of a `DecodeOutput`'s stats plus new_tokens / decode_s)."""
     out = {k: record[k] for k in SCALARS if _present(record.get(k))}
+    if "new_tokens" in out:
+        out["prefills"] = int(out.get("prefills") or 1)
     out.update({k: record[k] for k in LISTS if isinstance(record.get(k), list)})
     ledger = record.get("ledger")
     # movement always from the ledger the record carries
@@ -167,7 +171,7 @@ def _ratio(a, b):
 def derive(c: dict) -> dict:
     """Every derived figure from (summed) counters; a figure whose counters are missing is None."""
     g = c.get
-    dec = g("new_tokens", 0) - g("prompts", 1) if "new_tokens" in c else None  # decode-phase tokens
+    dec = g("new_tokens", 0) - g("prefills", g("prompts", 1)) if "new_tokens" in c else None  # decode-phase tokens
     rounds = g("rounds")
     compute = g("decode_wall_s") - g("decode_stall_s") if "decode_wall_s" in c else None
     moved_loads = g("decode_loads") + g("prefetch_issued", 0) if "decode_loads" in c else None

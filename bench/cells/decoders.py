@@ -93,7 +93,7 @@ def _draft_experts(model: str, folder: Path, file: Path | None):
         print(
             f"warning: {model} has no distilled draft experts ({experts_dir(model, folder) / 'full.safetensors'} is "
             f"absent): DraftExpert runs the zero draft expert = shared+top-1; `bench distill --model {model}` "
-            "trains them (a real model through the offload runtime; `bench plan --model {model} --distill` first), "
+            f"trains them (a real model through the offload runtime; `bench plan --model {model} --distill` first), "
             "`--draft-experts zero` silences this",
             file=sys.stderr,
         )

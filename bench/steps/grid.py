@@ -167,9 +167,9 @@ def read_grid(path: Path) -> tuple[list[Task], dict]:
             if not isinstance(v, kind) or (kind is int and isinstance(v, bool)):
                 raise GridError(f"{path}: [settings] {key}: {v!r} is not {kind.__name__}")
     suites = tuple(_list(pr.get("suite", list(prompts.SUITES)))) if "file" not in pr else ()
-    bad = [s for s in suites if s not in prompts.SUITES]
+    bad = [s for s in suites if s not in prompts.SUITE_NAMES]
     if bad:
-        raise GridError(f"{path}: [prompts] suite: unknown {', '.join(bad)}; known: {', '.join(prompts.SUITES)}")
+        raise GridError(f"{path}: [prompts] suite: unknown {', '.join(bad)}; known: {', '.join(prompts.SUITE_NAMES)}")
     if "file" in pr and "suite" in pr:
         raise GridError(f"{path}: [prompts] file and suite: give one")
     shards = int(pr.get("shards", 1))

@@ -23,6 +23,11 @@ from bench.suites.sources import Package, extract_member
 
 PROMPTS_DIR = Path(__file__).parents[1] / "data" / "prompts"
 MBPP_PATH = Path(__file__).parents[1] / "data" / "sources" / "mbpp.jsonl"
+SPEC_BENCH_PATH = Path(__file__).parents[1] / "data" / "sources" / "spec_bench" / "question.jsonl"
+# Spec-Bench's tasks; its MT-Bench questions (two turns) keep their own categories in the file
+# and are grouped as one task, as Spec-Bench's evaluation/speed.py groups them.
+MT_BENCH_CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
+SPEC_BENCH_TASKS = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
 SEED = 20260729
 PER_CATEGORY = 30
 # Summaries are asked of short articles only: the tiny models train on 512-token windows.
@@ -249,13 +254,48 @@ def build(out_dir: Path = PROMPTS_DIR, offline: bool = False) -> dict[str, bytes
     return files_out
 
 
+def spec_bench_task(category: str) -> str:
+    """Spec-Bench's task of a question category (the MT-Bench categories are one task, mt_bench)."""
+    return "mt_bench" if category in MT_BENCH_CATEGORIES else category
+
+
+def load_spec_bench(limit: int | None = None, path: Path = SPEC_BENCH_PATH) -> list[dict]:
+    """Spec-Bench's 480 questions as prompt records (every turn; `category` = its task, the file's
+    own category kept as `source_category`), the first `limit` of each task, in file order."""
+    recs = read_prompt_file(path)
+    taken: dict[str, int] = {}
+    out = []
+    for r in recs:
+        task = spec_bench_task(r["category"])
+        if limit and taken.get(task, 0) >= limit:
+            continue
+        taken[task] = taken.get(task, 0) + 1
+        out.append(
+            {
+                **r,
+                "id": f"spec_bench-{r['question_id']}",
+                "category": task,
+                "source_category": r["category"],
+                "source": "bench/data/sources/spec_bench/question.jsonl",
+            }
+        )
+    return out
+
+
+# Every suite `--suite` takes: the six built from packages, and Spec-Bench's questions as shipped.
+SUITE_NAMES = (*SUITES, "spec_bench")
+
+
 def load(category: str | None = None, limit: int | None = None, prompts_dir: Path = PROMPTS_DIR) -> list[dict]:
-    """Committed prompts of one suite (or all, in suite order), the first `limit` of each."""
+    """Committed prompts of one suite (or the six, in suite order), the first `limit` of each
+    (spec_bench: of each of its tasks)."""
+    if category == "spec_bench":
+        return load_spec_bench(limit)
     cats = [category] if category else list(SUITES)
     out: list[dict] = []
     for cat in cats:
         if cat not in SUITES:
-            raise KeyError(f"unknown prompt suite {cat!r}; known: {', '.join(SUITES)}")
+            raise KeyError(f"unknown prompt suite {cat!r}; known: {', '.join(SUITE_NAMES)}")
         recs = list(_jsonl(prompts_dir / f"{cat}.jsonl"))
         out.extend(recs[:limit] if limit else recs)
     return out
@@ -293,8 +333,35 @@ def hub_loader(category: str, limit: int | None = None) -> list[dict]:
 
 def render_prompt(tokenizer, text: str) -> list[int]:
     """User message → token ids through the tokenizer's chat template, generation prompt added."""
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    return render_conversation(tokenizer, [text], [])
+
+
+# A tokenizer without a chat template gets this one (the same for every method, so outputs compare).
+PLAIN_USER, PLAIN_ASSISTANT = "User: {}\n\n", "Assistant:{}"
+PLAIN_SEP = "\n\n"
+
+
+def render_conversation(tokenizer, turns: list[str], answers: list[str]) -> list[int]:
+    """The prompt of turn len(answers)+1: user turns[0], assistant answers[0], user turns[1], …, up to
+    turns[len(answers)], through the tokenizer's chat template with the generation prompt added; a
+    tokenizer with none gets the plain template "User: …\n\nAssistant: …\n\n…User: …\n\nAssistant:"
+    (special tokens as its encoder adds them)."""
+    n = len(answers) + 1
+    if n > len(turns):
+        raise ValueError(f"turn {n} asked of a conversation of {len(turns)} turn(s)")
+    if getattr(tokenizer, "chat_template", None):
+        messages = []
+        for i in range(n):
+            messages.append({"role": "user", "content": turns[i]})
+            if i < len(answers):
+                messages.append({"role": "assistant", "content": answers[i]})
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    text = ""
+    for i in range(n):
+        text += PLAIN_USER.format(turns[i])
+        text += PLAIN_ASSISTANT.format(" " + answers[i] + PLAIN_SEP if i < len(answers) else "")
+    return list(tokenizer(text)["input_ids"])
 
 
 COLUMNS = ("id", "category", "source", "source_id", "prompt")
@@ -313,11 +380,14 @@ class PromptFileError(ValueError):
 
 
 def read_prompt_file(path: Path, limit: int | None = None) -> list[dict]:
-    """A user's prompts: JSONL (one `{"category", "prompt"}` object a line, `id` optional), or CSV /
-    Parquet with those columns (read through `datasets`). Every record is checked before any is
-    returned — not JSON, not an object, a missing or non-text field, an empty prompt, a repeated
-    id: PromptFileError naming the line (JSONL) or row (CSV / Parquet). Ids default to
-    `<file stem>-<line>`; `location` (FILE:LINE) is kept in each record for later messages."""
+    """A user's prompts: JSONL (one `{"category", "prompt"}` object a line, `id` optional; or
+    Spec-Bench / MT-Bench questions, `{"question_id", "category", "turns": [...]}`, every turn
+    decoded in order), or CSV / Parquet with `category` and `prompt` columns (read through
+    `datasets`). Every record is checked before any is returned — not JSON, not an object, a
+    missing or non-text field, an empty prompt or turn, a repeated id or question_id:
+    PromptFileError naming the line (JSONL) or row (CSV / Parquet). Ids default to
+    `<file stem>-<line>` (a question's: its question_id); `location` (FILE:LINE) is kept in each
+    record for later messages, `turns` (a list of user messages) in every record."""
     path = Path(path)
     if not path.is_file():
         raise PromptFileError(f"--prompts {path}: no such file")
@@ -333,34 +403,56 @@ def read_prompt_file(path: Path, limit: int | None = None) -> list[dict]:
     out, seen = [], {}
     for n, row in rows:
         at = f"{path}:{n}" if where == "line" else f"{path}: row {n}"
-        if not isinstance(row, dict):
-            raise PromptFileError(f'{at}: expected an object with "category" and "prompt", got {type(row).__name__}')
-        for name in ("category", "prompt"):
-            if name not in row:
-                raise PromptFileError(f"{at}: missing field {name!r}")
-            if row[name] is None:
-                raise PromptFileError(f"{at}: no {name} (empty cell or null)")
-            if not isinstance(row[name], str):
-                raise PromptFileError(f"{at}: field {name!r} must be text, got {type(row[name]).__name__}")
-        if not row["prompt"].strip():
-            raise PromptFileError(f"{at}: empty prompt")
-        pid = str(row["id"]) if row.get("id") not in (None, "") else f"{path.stem}-{n:04d}"
-        if pid in seen:
-            raise PromptFileError(f"{at}: id {pid!r} repeats {where} {seen[pid]}")
-        seen[pid] = n
-        out.append(
-            {
-                "id": pid,
-                "category": row["category"],
-                "source": str(path),
-                "source_id": str(n),
-                "prompt": row["prompt"],
-                "location": at,
-            }
-        )
+        rec = _prompt_record(row, at, f"{path.stem}-{n:04d}")
+        if rec["id"] in seen:
+            what = "question_id" if "question_id" in rec else "id"
+            raise PromptFileError(
+                f"{at}: {what} {rec.get('question_id', rec['id'])!r} repeats {where} {seen[rec['id']]}"
+            )
+        seen[rec["id"]] = n
+        out.append({**rec, "source": str(path), "source_id": str(n), "location": at})
     if not out:
         raise PromptFileError(f"--prompts {path}: no prompts in the file")
     return out[:limit] if limit else out
+
+
+def _text_field(row: dict, name: str, at: str) -> str:
+    if name not in row:
+        raise PromptFileError(f"{at}: missing field {name!r}")
+    if row[name] is None:
+        raise PromptFileError(f"{at}: no {name} (empty cell or null)")
+    if not isinstance(row[name], str):
+        raise PromptFileError(f"{at}: field {name!r} must be text, got {type(row[name]).__name__}")
+    return row[name]
+
+
+def _prompt_record(row, at: str, default_id: str) -> dict:
+    """One checked record (id, category, prompt, turns[, question_id]) of a prompt file's row."""
+    if not isinstance(row, dict):
+        raise PromptFileError(
+            f'{at}: expected an object with "category" and "prompt" (or "turns"), got {type(row).__name__}'
+        )
+    category = _text_field(row, "category", at)
+    if "turns" in row or "question_id" in row:  # Spec-Bench / MT-Bench question
+        turns = row.get("turns")
+        if turns is None:
+            raise PromptFileError(f"{at}: missing field 'turns' (a list of user messages)")
+        if not isinstance(turns, list) or not turns:
+            raise PromptFileError(f"{at}: field 'turns' must be a non-empty list of messages")
+        for i, t in enumerate(turns, 1):
+            if not isinstance(t, str):
+                raise PromptFileError(f"{at}: turn {i} must be text, got {type(t).__name__}")
+            if not t.strip():
+                raise PromptFileError(f"{at}: turn {i} is empty")
+        qid = row.get("question_id")
+        if qid is None or isinstance(qid, bool) or not isinstance(qid, (int, str)) or qid == "":
+            raise PromptFileError(f"{at}: field 'question_id' must be a number or text")
+        return {"id": str(qid), "question_id": qid, "category": category, "prompt": turns[0], "turns": list(turns)}
+    prompt = _text_field(row, "prompt", at)
+    if not prompt.strip():
+        raise PromptFileError(f"{at}: empty prompt")
+    pid = str(row["id"]) if row.get("id") not in (None, "") else default_id
+    return {"id": pid, "category": category, "prompt": prompt, "turns": [prompt]}
 
 
 def _prompt_lines(path: Path) -> Iterator[tuple[int, object]]:

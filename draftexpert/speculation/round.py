@@ -192,6 +192,7 @@ class SpeculativeDecoder:
         t1 = time.perf_counter()
         committed, tokens = list(prompt_ids) + [first], [first]
         stats = RoundStats(cfg.k_max)
+        emitted_per_round: list[int] = []  # Spec-Bench's accept_lengths: tokens each round emitted
         while len(tokens) < max_new_tokens and tokens[-1] != eos_token_id:
             k_limit = min(cfg.k_max, max_new_tokens - len(tokens) - 1)
             eng.begin_round()
@@ -207,6 +208,7 @@ class SpeculativeDecoder:
                 emitted = emitted[: emitted.index(eos_token_id) + 1]
             emitted = emitted[: max_new_tokens - len(tokens)]
             stats.add(draft, min(accepted, len(emitted)), verify_unique=len(needed))
+            emitted_per_round.append(len(emitted))
             if self.trace is not None:
                 self.trace.append(
                     {
@@ -225,5 +227,8 @@ class SpeculativeDecoder:
             eng.commit(len(committed) - 1)  # drop K/V of rejected positions (and of the last token)
         t2 = time.perf_counter()
         return DecodeOutput(
-            tokens=tokens, prefill_s=t1 - t0, decode_s=t2 - t1, stats={**stats.counters(), **eng.stats()}
+            tokens=tokens,
+            prefill_s=t1 - t0,
+            decode_s=t2 - t1,
+            stats={**stats.counters(), "accept_lengths": emitted_per_round, **eng.stats()},
         )
