@@ -903,9 +903,9 @@ def compare(
         str,
         typer.Option(
             "--set",
-            help="table2: AR, top-1/2/3, DraftExpert | table4: AR "
-            "and DraftExpert with fixed K, conf.+exp., + prefetch | fig3: "
-            "the drafters at a fixed K = 8",
+            help="table2: AR, top-1/2/3, DraftExpert, pld, AR with the equal-memory expert cache | table4: AR "
+            "and DraftExpert with fixed K, conf.+exp., + prefetch | fig3: the drafters at a fixed K = 8 | "
+            "regime: table2 under read caps | spec_bench: AR, AR-cache, top-3, pld, DraftExpert",
         ),
     ] = "table2",
     suite: SuiteOpt = None,
@@ -1007,6 +1007,114 @@ def compare(
         (table4 if method_set == "table4" else table)(res)
         + f"\n\ntokens equal AR: {res['tokens_equal_ar']}  ({out_dir})",
     )
+
+
+@app.command("specbench")
+def specbench_cmd(
+    ctx: typer.Context,
+    model: ModelOpt = "ds-tiny",
+    model_path: ModelPathOpt = None,
+    platform: PlatformOpt = "mn",
+    engine: EngineOpt = "torch",
+    expert_type: ExpertTypeOpt = "q4_0",
+    limit: Annotated[
+        int | None, typer.Option("--limit", min=1, help="Questions per Spec-Bench task (default 3; all: 80).")
+    ] = 3,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", min=1, help="New tokens per turn.")] = 32,
+    caps: Annotated[
+        list[str] | None,
+        typer.Option("--cap", help="Storage read caps to run under ('none' = uncapped; default: none and 12MB/s)."),
+    ] = None,
+    device: DeviceOpt = None,
+    threads: Annotated[int, typer.Option("--threads", min=1, help="torch CPU threads.")] = 1,
+    spec_bench_dir: Annotated[
+        Path | None,
+        typer.Option("--spec-bench-dir", help="A Spec-Bench checkout: also run its evaluation/speed.py and equal.py."),
+    ] = None,
+    out: Annotated[Path, typer.Option("--out", help="Results folder.")] = REPO_ROOT / "results",
+    as_json: JsonOpt = False,
+):
+    """Spec-Bench's questions (every turn) with AR (cold, and with an expert cache of DraftExpert's
+    extra memory), top-3, prompt lookup and DraftExpert; per Spec-Bench task: speed-up over both
+    ARs, mean accepted tokens, loads per token, answers equal to AR's, and Spec-Bench's own
+    speed-up from the exported answer files. Writes spec_bench_<model>_<platform>_<engine>.md /
+    .json, the answer files and the run folders under --out; resumable."""
+    import datetime
+
+    import torch
+    from transformers import AutoTokenizer
+
+    from bench.runs.readcap import ReadCap, ReadCapError
+    from bench.steps import specbench as sb
+    from bench.suites import prompts
+    from paper_figs.spec_bench import page
+
+    cell = make_cell(
+        given_options(ctx) & {"device", "expert_type"},
+        model=model,
+        method="draftexpert",
+        platform=platform,
+        engine=engine,
+        expert_type=expert_type,
+        max_new_tokens=max_new_tokens,
+        device=device,
+    )
+    if spec_bench_dir is not None and not all(
+        (spec_bench_dir / "evaluation" / f).is_file() for f in ("speed.py", "equal.py")
+    ):
+        fail(f"--spec-bench-dir {spec_bench_dir}: no evaluation/speed.py and equal.py there (a Spec-Bench checkout)")
+    folder = resolve_or_fail(model, model_path)
+    torch.set_num_threads(threads)
+    cap_list = [None if c.lower() == "none" else _read_bw(c) for c in caps] if caps else [None, sb.DEFAULT_CAP]
+    if any(cap_list) and platform != "mn":
+        fail("--cap: read caps throttle storage; only platform mn reads its experts from storage")
+    if any(cap_list):
+        try:
+            with ReadCap(10**9, expert_file(model, folder, expert_type)):
+                pass
+        except ReadCapError as e:
+            log(f"the capped runs are skipped: {e}")
+            cap_list = [c for c in cap_list if c is None]
+    questions = prompts.load("spec_bench", limit)
+    stem = f"{model}_{platform}_{engine}"
+    out_dir = _run_dir(out / "runs" / f"spec_bench-{stem.replace('_', '-')}", out / "runs" / "spec_bench")
+    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    machine = _machine()
+    with _named_errors(), _resumable(out_dir):
+        res = sb.spec_bench(
+            cell,
+            folder,
+            questions,
+            out_dir,
+            out / "spec_bench" / stem,
+            lambda qt: expert_file(model, folder, qt),
+            machine,
+            tokenizer,
+            cap_list,
+            spec_bench_dir,
+            log,
+        )
+    command = (
+        f"bench specbench --model {model} --platform {platform} --engine {engine}"
+        + (f" --expert-type {expert_type}" if expert_type != "q4_0" else "")
+        + f" --limit {limit} "
+        f"--max-new-tokens {max_new_tokens}"
+        + "".join(f" --cap {c}" for c in caps or [])
+        + f" --threads {threads}"
+        + (" --spec-bench-dir <Spec-Bench checkout>" if spec_bench_dir else "")
+    )
+    for c in res["caps"]:
+        c["answers"] = {
+            k: str(Path(v).relative_to(out.parent)) if Path(v).is_relative_to(out.parent) else v
+            for k, v in c["answers"].items()
+        }
+    today = datetime.date.today().isoformat()
+    text = page(res, command, machine.get("machine_id", "?"), today)
+    from bench.runs.results import write_json_atomic
+
+    write_json_atomic(out / f"spec_bench_{stem}.json", {**res, "command": command, "date": today})
+    (out / f"spec_bench_{stem}.md").write_text(text)
+    emit(res, as_json, text + f"\n\n→ {out / f'spec_bench_{stem}.md'}")
 
 
 def _list(values: list[str] | None) -> list[str]:

@@ -42,7 +42,9 @@ def spec_compare_page(res: dict, per_suite: int, tokens: int, threads: int, devi
         f"{res['model']} on {platform} {where}, {per_suite} prompts per suite, "
         f"{tokens} new tokens, greedy, {round_settings(res['spec'])}, {threads} thread; DraftExpert's draft "
         f"experts: {_draft_experts(res)}. `ar-resident`: AR with every expert resident{bound} (the upper bound); "
-        f"limit TPS = {limit} ÷ bytes moved per token. Tokens equal AR: {res['tokens_equal_ar']}.\n\n"
+        f"limit TPS = {limit} ÷ bytes moved per token. "
+        + (spec_table.memory_note(res) + " " if spec_table.memory_note(res) else "")
+        + f"Tokens equal AR: {res['tokens_equal_ar']}.\n\n"
         + spec_table.table(res)
         + "\n"
     )

@@ -51,6 +51,9 @@ def rows(res: dict) -> list[dict]:
             "de_tps": m["draftexpert"]["decode_tps"],
             "de_acceptance": m["draftexpert"]["acceptance"],
             "de_long_speedup": m[DE_LONG]["speedup"] if DE_LONG in m else None,
+            "pld_speedup": m["pld"]["speedup"] if "pld" in m else None,
+            "ar_cache_speedup": m["ar-cache"]["speedup"] if "ar-cache" in m else None,
+            "de_vs_cache": m["draftexpert"].get("speedup_vs_cache"),
             "tokens_equal_ar": all(cell["tokens_equal_ar"].values()),
         }
         for label, key in (("ar", "ar"), ("draftexpert", "de")):
@@ -65,11 +68,13 @@ def table(res: dict) -> str:
         "(cgroup blkio throttle); limit = read bandwidth ÷ bytes moved per emitted token.",
         "",
         "DraftExpert: K_max = 4, τ = 0.6, B = 24, prefetch; DraftExpert K = 8: K_max = 8, no truncation, "
-        "prefetch; best top-r: over r = 1, 2, 3 at K = 4 and r = 3 at K = 8, fixed K, no prefetch.",
+        "prefetch; best top-r: over r = 1, 2, 3 at K = 4 and r = 3 at K = 8, fixed K, no prefetch; pld: prompt "
+        "lookup (training-free, not the paper's); AR-cache: AR with an LRU expert cache of DraftExpert's memory "
+        "beyond AR (draft experts + prefetch buffer), DE ×AR-cache: DraftExpert over it.",
         "",
         "| read cap | AR TPS | AR loading share | AR limit TPS | best top-r ×AR | DraftExpert ×AR | DE TPS | "
-        "DE limit TPS | DE α | DraftExpert K = 8 ×AR | tokens equal AR |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "DE limit TPS | DE α | DraftExpert K = 8 ×AR | pld ×AR | AR-cache ×AR | DE ×AR-cache | tokens equal AR |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     f = lambda v, fmt: fmt.format(v) if v is not None else "–"  # noqa: E731
     for r in rows(res):
@@ -79,6 +84,8 @@ def table(res: dict) -> str:
             f"{f(r['ar_limit_tps'], '{:.1f}')} | {f(r['top_r_speedup'], '{:.2f}')} ({r['best_top_r']}) | "
             f"{f(r['de_speedup'], '{:.2f}')} | {r['de_tps']:.2f} | {f(r['de_limit_tps'], '{:.1f}')} | "
             f"{f(r['de_acceptance'], '{:.3f}')} | {f(r['de_long_speedup'], '{:.2f}')} | "
+            f"{f(r['pld_speedup'], '{:.2f}')} | {f(r['ar_cache_speedup'], '{:.2f}')} | "
+            f"{f(r['de_vs_cache'], '{:.2f}')} | "
             f"{r['tokens_equal_ar']} |"
         )
     return "\n".join(lines) + "\n"

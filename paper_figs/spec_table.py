@@ -21,10 +21,35 @@ def _paper_cells(result: dict, label: str) -> list[str]:
     return [f"{t3[1]:.3f}" if t3 else "–", f"{x:.2f}" if x is not None else "–"]
 
 
+def _shown(row: dict) -> dict:
+    """A row's table cells: memory beyond AR in MiB (DraftExpert's, and the cache AR-cache holds);
+    AR-cache's "hit" is its cache's (bytes it saved of cold AR's reads), DraftExpert's its prefetch's."""
+    extra = row.get("extra_memory")
+    out = {**row, "extra_mib": extra["bytes"] / 2**20 if extra else None}
+    if row.get("cache_hit_bytes") is not None:
+        out["prefetch_hit_rate"] = row["cache_hit_bytes"]
+    return out
+
+
+def memory_note(result: dict) -> str:
+    """What +MiB is made of, for the caption (empty without an AR-cache row)."""
+    extra = (result["methods"].get("ar-cache") or {}).get("extra_memory")
+    if not extra:
+        return ""
+    return (
+        f"`ar-cache`: AR with an LRU expert cache of DraftExpert's memory beyond AR, +MiB = draft experts "
+        f"{extra['draft_expert_bytes'] / 2**20:.2f} MiB + prefetch buffer {extra['prefetch_buffer_bytes'] / 2**20:.2f} "
+        "MiB (the most one round prefetched), so the two compare at the same total memory; its hit = the bytes "
+        "its cache saved of cold AR's reads; ×AR-cache = speed-up over it. `pld`: prompt lookup, the "
+        "training-free drafter (not the paper's method)."
+    )
+
+
 def table(result: dict) -> str:
     cols = [
         ("decode_tps", "TPS", "{:.2f}"),
         ("speedup", "×AR", "{:.2f}"),
+        ("speedup_vs_cache", "×AR-cache", "{:.2f}"),
         ("acceptance", "α", "{:.3f}"),
         ("mean_accepted_length", "τ", "{:.2f}"),
         ("draft_unique_per_round", "draft uniq", "{:.1f}"),
@@ -35,6 +60,7 @@ def table(result: dict) -> str:
         ("prefetch_waste_rate", "waste", "{:.2f}"),
         ("loading_share", "load share", "{:.2f}"),
         ("physical_limit_tps", "limit TPS", "{:.1f}"),
+        ("extra_mib", "+MiB", "{:.2f}"),
     ]
     m = paper.real(result.get("model", ""))
     lines = [
@@ -42,6 +68,7 @@ def table(result: dict) -> str:
         "|---" * (len(cols) + 3) + "|",
     ]
     for label, row in result["methods"].items():
+        row = _shown(row)
         cells = [fmt.format(row[k]) if row.get(k) is not None else "–" for k, _, fmt in cols]
         lines.append(f"| {label} | " + " | ".join(cells + _paper_cells(result, label)) + " |")
     t2 = paper.TABLE2.get((m, result.get("platform")))

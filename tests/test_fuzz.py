@@ -8,7 +8,8 @@ from bench.steps import fuzz as fz
 def test_a_case_is_drawn_from_its_seed_and_index_alone():
     assert fz.draw("torch", 3, 17) == fz.draw("torch", 3, 17)
     cases = [fz.draw("torch", 0, i) for i in range(40)] + [fz.draw("llama.cpp", 0, i) for i in range(40)]
-    assert {c.method for c in cases} == {"ar", "top-r", "draftexpert"}
+    assert {c.method for c in cases} == {"ar", "top-r", "draftexpert", "pld"}
+    assert {c.pld_tokens for c in cases if c.method == "pld"} != {10}  # its proposal length varies too
     assert {c.platform for c in cases} == {"resident", "cg", "mn"}
     assert any(c.temperature > 0 for c in cases) and all(c.temperature == 0 for c in cases if c.engine == "llama.cpp")
     assert fz.replay_command(cases[5], 0) == "bench fuzz --engine torch --seed 0 --case 5"
@@ -32,7 +33,9 @@ def test_the_check_catches_an_accept_rule_that_keeps_every_draft(monkeypatch, tm
         prompt_id="gsm8k-000",
         max_new_tokens=32,
     )
-    assert camp.check(case)["ok"]
+    pld = fz.Case(**{**case.__dict__, "method": "pld", "pld_tokens": 6, "pld_max_ngram": 2})
+    assert camp.check(case)["ok"] and camp.check(pld)["ok"]
     monkeypatch.setattr(rnd, "greedy_accept", lambda draft, argmax: (draft + [argmax[len(draft)]], len(draft)))
-    res = camp.check(case)
-    assert not res["ok"] and res["why"] == "tokens differ from plain decoding"
+    for c in (case, pld):
+        res = camp.check(c)
+        assert not res["ok"] and res["why"] == "tokens differ from plain decoding"

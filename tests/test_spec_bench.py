@@ -202,3 +202,39 @@ def test_merge_turns_sums_counters_and_concatenates_tokens():
     assert m["ledger"]["by_phase"] == {"ar": {"loads": 5}, "verify": {"loads": 1}}
     assert [t["text"] for t in m["turns"]] == ["a", "b"] and "ledger" not in m["turns"][0] and "text" not in m
     assert merge_turns([t1]) == t1
+
+
+def test_specbench_writes_every_task_and_method(tmp_path):
+    args = ["specbench", "--model", "ds-tiny", "--limit", "1", "--max-new-tokens", "3", "--cap", "none"]
+    args += ["--out", str(tmp_path)]  # the embedded ds-tiny: its context holds the first question of every task
+    bad = CliRunner().invoke(app, [*args, "--spec-bench-dir", str(tmp_path / "nowhere")])
+    assert bad.exit_code == 2 and "no evaluation/speed.py and equal.py" in bad.output
+    assert not (tmp_path / "runs").exists()
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    page = (tmp_path / "spec_bench_ds-tiny_mn_torch.md").read_text()
+    data = json.loads((tmp_path / "spec_bench_ds-tiny_mn_torch.json").read_text())
+    cell = data["caps"][0]
+    assert set(cell["per_task"]) == {"ar", "ar-cache", "top-3", "pld", "draftexpert"}
+    for label, tasks in cell["per_task"].items():
+        assert set(tasks) == {*prompts.SPEC_BENCH_TASKS, "overall"}
+        assert all(row["equal_ar"] for row in tasks.values()), label
+        assert tasks["mt_bench"]["turns"] == 2 and tasks["overall"]["questions"] == 6
+    for name in ("AR (cold)", "AR + expert cache", "top-3", "pld (training-free)", "DraftExpert"):
+        assert page.count(f"| {name} |") == 7, name
+    extra = cell["methods"]["ar-cache"]["extra_memory"]
+    assert (
+        extra["draft_expert_bytes"] > 0
+        and extra["bytes"] == extra["draft_expert_bytes"] + extra["prefetch_buffer_bytes"]
+    )
+    assert cell["methods"]["ar-cache"]["method_args"]["staging_budget"] == extra["bytes"]
+    assert all(cell["answers_equal_ar"].values())
+    assert (
+        read_answers(tmp_path / "spec_bench" / "ds-tiny_mn_torch" / "uncapped" / "ds-tiny-pld.jsonl")[0]["question_id"]
+        == 81
+    )
+    runs = tmp_path / "runs" / "spec_bench-ds-tiny-mn-torch" / "uncapped"
+    before = {p: p.read_bytes() for p in runs.glob("*/records.jsonl")}
+    again = CliRunner().invoke(app, args)  # resumable: nothing is decoded twice
+    assert again.exit_code == 0 and len(before) == 5
+    assert {p: p.read_bytes() for p in runs.glob("*/records.jsonl")} == before

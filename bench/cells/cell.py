@@ -253,6 +253,8 @@ class Cell:
                 "kv_type": "f32" if self.expert_type == "f32" else "f16",  # an f32 model keeps an f32 cache
                 "staging": LLAMA_STAGING["resident" if self.platform == "resident" else self.staging],
             }
+            if self.staging_budget and self.platform != "resident":
+                args["staging_budget"] = self.staging_budget
             if self.method == "top-r":
                 args["r"] = spec.r
             elif self.method == "draftexpert":

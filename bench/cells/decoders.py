@@ -161,6 +161,7 @@ def make_llama_decoder(cell: Cell, folder: Path, expert_file: Callable[[str], Pa
     """(decoder, tokenizer, resolved) on the llama.cpp engine (greedy): platform mn stages the
     experts from storage (`cell.staging`: demand | pagefault), platform resident keeps them all cached."""
     staging = "resident" if cell.platform == "resident" else cell.staging
+    budget = 0 if cell.platform == "resident" else cell.staging_budget
     require_llama_cpp()
     tokenizer = _tokenizer(folder)
     experts = expert_file(cell.expert_type)
@@ -169,11 +170,16 @@ def make_llama_decoder(cell: Cell, folder: Path, expert_file: Callable[[str], Pa
     target_head = llama_head_for(cell.model, folder, cell.expert_type, experts)
     meta = None
     if cell.method == "ar":
-        engine = LlamaEngine(LlamaModel(target_head, n_ctx, threads, kv_type=kv), ExpertPages(experts), staging=staging)
+        engine = LlamaEngine(
+            LlamaModel(target_head, n_ctx, threads, kv_type=kv),
+            ExpertPages(experts),
+            staging=staging,
+            staging_budget=budget,
+        )
         decoder = AROffloadDecoder(engine)
     elif cell.method == "pld":  # no drafter model: proposals come from the sequence itself
         target = LlamaModel(target_head, n_ctx, threads, kv_type=kv)
-        engine = LlamaEngine(target, ExpertPages(experts), name="pld", staging=staging)
+        engine = LlamaEngine(target, ExpertPages(experts), name="pld", staging=staging, staging_budget=budget)
         decoder = SpeculativeDecoder(engine, cell.round_config(), lookup=cell.spec.lookup())
     else:
         if cell.method == "top-r":
@@ -194,7 +200,15 @@ def make_llama_decoder(cell: Cell, folder: Path, expert_file: Callable[[str], Pa
             )
         target = LlamaModel(target_head, n_ctx, threads, kv_type=kv)
         drafter = LlamaModel(drafter_head, n_ctx, threads, used_experts=used, tap_router_logits=True, kv_type=kv)
-        engine = LlamaEngine(target, ExpertPages(experts), drafter, load_router(folder), name=name, staging=staging)
+        engine = LlamaEngine(
+            target,
+            ExpertPages(experts),
+            drafter,
+            load_router(folder),
+            name=name,
+            staging=staging,
+            staging_budget=budget,
+        )
         decoder = SpeculativeDecoder(engine, cell.round_config())
     return decoder, tokenizer, Resolved(draft_experts=meta, threads=threads)
 

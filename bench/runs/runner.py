@@ -199,5 +199,5 @@ def _add(a, b, key: str):
             return [(a[j] if j < len(a) else 0) + (b[j] if j < len(b) else 0) for j in range(n)]
         return a + b  # tokens, accept_lengths: in order
     if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool):
-        return a + b
+        return max(a, b) if key.endswith("_peak_bytes") else a + b
     return b  # anything else (none today): the last turn's

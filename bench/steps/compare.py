@@ -1,6 +1,10 @@
 """`bench compare`: AR offload vs shared+top-r (r = 1, 2, 3) vs DraftExpert on one model and
 platform — every method through the same runner into its own resumable run folder, then one
 table computed from the records (Spec-Bench style: metrics afterwards, never inside the loop).
+Beside them: prompt lookup (the training-free drafter a llama.cpp or transformers user turns on
+first) and AR with an LRU expert cache holding the memory DraftExpert uses beyond AR (its draft
+experts and its prefetch buffer, measured from its run: `extra_memory`), so that AR and
+DraftExpert compare at the same total memory.
 
 Metrics: `draftexpert.metrics`; the table: `paper_figs.spec_table`.
 """
@@ -9,14 +13,21 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from safetensors import safe_open
+
+from bench.cells.artifacts import experts_dir
 from bench.cells.cell import Cell
 from bench.cells.decoders import make_decoder
 from bench.runs.readcap import ReadCap
 from bench.runs.results import read_records
 from bench.runs.runner import run_cells
 from draftexpert import metrics
-from draftexpert.runtime.params import WontFit
+from draftexpert.runtime.loader import load_config
+from draftexpert.runtime.params import EXPERT_FILE_BYTES, WontFit
 
+DTYPE_BYTES = {"fp32": 4, "bf16": 2}  # bench.cells.cell.DTYPES
+
+EQUAL_MEMORY = "equal_memory"  # an AR row whose cache is sized by the set's DraftExpert row (`extra_memory`)
 # (label, method, spec overrides; "platform" overrides the set's): the paper's top-r baseline is
 # plain self-speculation (fixed K, no prefetch); DraftExpert runs with truncation and prefetch
 # (Table 2's "DE"); AR with every expert resident is the upper bound beside them.
@@ -27,6 +38,8 @@ METHODS = [
     ("top-2", "top-r", {"r": 2, "truncate": False, "prefetch": False}),
     ("top-3", "top-r", {"r": 3, "truncate": False, "prefetch": False}),
     ("draftexpert", "draftexpert", {}),
+    ("pld", "pld", {}),  # prompt lookup: the training-free drafter (not the paper's)
+    ("ar-cache", "ar", {EQUAL_MEMORY: True}),  # AR with an LRU expert cache of DraftExpert's extra memory
 ]
 # Table 4: DraftExpert's verify-side policies against AR.
 POLICIES = [
@@ -51,7 +64,15 @@ LONG_BLOCKS = [
     ("top-3-k8", "top-r", {"r": 3, "k_max": 8, "truncate": False, "prefetch": False}),
     ("draftexpert-k8", "draftexpert", {"k_max": 8, "truncate": False}),
 ]
-SETS = {"table2": METHODS, "table4": POLICIES, "fig3": FOOTPRINT, "regime": METHODS + LONG_BLOCKS}
+# The Spec-Bench table's methods: both ARs, the best top-r at K = 4, prompt lookup, DraftExpert.
+SPEC_BENCH = [m for m in METHODS if m[0] in ("ar", "top-3", "draftexpert", "pld", "ar-cache")]
+SETS = {
+    "table2": METHODS,
+    "table4": POLICIES,
+    "fig3": FOOTPRINT,
+    "regime": METHODS + LONG_BLOCKS,
+    "spec_bench": SPEC_BENCH,
+}
 REGIME_CELL = "regime-cell"  # one cap of the regime set (its methods; `compare` recurses with it)
 
 
@@ -85,8 +106,20 @@ def compare(
     for label, method, over in SETS["regime" if method_set == REGIME_CELL else method_set]:
         if labels and label not in labels:
             continue
-        over = dict(over)
+        over, extra = dict(over), None
+        if over.pop(EQUAL_MEMORY, False):
+            if "draftexpert" not in rows:
+                log(f"== {label}: not measured — it is sized by the draftexpert row, which this set did not run")
+                continue
+            extra = extra_memory(base, folder, rows["draftexpert"])
+            over.update(cache_for(base, folder, extra["bytes"]))
         cell_platform = over.pop("platform", platform)
+        if method == "top-r" and over.get("r", 1) >= load_config(folder).num_experts_per_tok:
+            log(
+                f"== {label}: not measured — r must be below the target's top-k "
+                f"({load_config(folder).num_experts_per_tok})"
+            )
+            continue
         if cell_platform != platform and (read_bw or platform not in ("mn", "cg")):
             continue  # the resident bound is measured once, beside the uncapped offload rows
         if cell_platform == platform:
@@ -122,10 +155,25 @@ def compare(
         rows[label]["tokens"] = {r["prompt_id"]: r["tokens"] for r in recs}
         rows[label]["method_args"] = cfg.method_args
         rows[label]["platform"] = cfg.platform
+        rows[label]["config_hash"] = summary["config_hash"]
+        if label == "draftexpert":
+            rows[label]["prefetch_peak_bytes"] = max((r.get("prefetch_peak_bytes") or 0 for r in recs), default=0)
+        if extra is not None:
+            rows[label]["extra_memory"] = extra
+            cold = rows.get("ar")
+            # the cache's hit rate in bytes: what it saved of cold AR's reads over the same tokens
+            rows[label]["cache_hit_bytes"] = (
+                1 - rows[label]["moved_bytes"] / cold["moved_bytes"] if cold and cold.get("moved_bytes") else None
+            )
     cg_device = next((r["method_args"].get("device") for r in rows.values() if r["platform"] == "cg"), None)
     bw = read_bw or (_measured_copy_in(machine, cg_device) if platform == "cg" else measured_read_bw(machine))
+    cached = rows.get("ar-cache")
+    if cached and "draftexpert" in rows:
+        rows["draftexpert"]["extra_memory"] = cached["extra_memory"]
     for row in rows.values():
         row.update(metrics.relative(row, rows.get("ar")))
+        # against the stronger AR too: the one holding DraftExpert's extra memory as an expert cache
+        row["speedup_vs_cache"] = metrics.relative(row, cached)["speedup"] if cached else None
         row["physical_limit_tps"] = metrics.physical_limit_tps(row, bw) if row["platform"] != "resident" else None
     same = {
         label: all(row["tokens"][p] == rows["ar"]["tokens"][p] for p in row["tokens"])
@@ -145,6 +193,44 @@ def compare(
         "methods": rows,
         "tokens_equal_ar": same,
     }
+
+
+def extra_memory(base: Cell, folder: Path, de_row: dict) -> dict:
+    """DraftExpert's memory beyond AR's, from its run: the draft experts as its drafter holds them
+    (their weights × the bytes a weight takes there: the compute dtype on torch, the expert file's
+    type on llama.cpp; the zero draft expert has the routed experts' shape) and its prefetch buffer
+    (the most bytes one round prefetched, measured)."""
+    cfg = load_config(folder)
+    moe_layers = cfg.num_hidden_layers - cfg.first_k_dense_replace
+    file = (de_row.get("method_args") or {}).get("draft_experts") or {}
+    path = experts_dir(base.model, folder) / file["file"] if file.get("file") else None
+    if path is not None and path.exists():
+        with safe_open(path, "pt") as f:
+            weights = sum(_numel(f.get_slice(k).get_shape()) for k in f.keys() if not k.endswith("gamma"))
+    else:
+        weights = moe_layers * 3 * cfg.hidden_size * cfg.moe_intermediate_size
+    per_weight = EXPERT_FILE_BYTES[base.expert_type] if base.engine == "llama.cpp" else DTYPE_BYTES[base.dtype]
+    draft = int(weights * per_weight)
+    prefetch = int(de_row.get("prefetch_peak_bytes") or 0)
+    return {"draft_expert_bytes": draft, "prefetch_buffer_bytes": prefetch, "bytes": draft + prefetch}
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def cache_for(base: Cell, folder: Path, nbytes: int) -> dict:
+    """The cell options that give AR an LRU expert cache of `nbytes`: on cg, accelerator slots of
+    whole experts in the compute dtype (`cache_experts`); on mn, raw expert bytes kept staged
+    between steps (`staging_budget`, either engine)."""
+    if base.platform == "cg":
+        cfg = load_config(folder)
+        one = 3 * cfg.hidden_size * cfg.moe_intermediate_size * DTYPE_BYTES[base.dtype]
+        return {"cache_experts": max(1, nbytes // one)}
+    return {"staging_budget": max(1, nbytes)}
 
 
 def _measured_copy_in(machine: dict | None, device: str | None) -> float | None:

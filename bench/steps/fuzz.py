@@ -3,9 +3,9 @@
 Case i of a campaign is drawn from `random.Random(f"{seed}/{engine}/{i}")` alone, so any case
 replays by itself (`bench fuzz --engine E --seed S --case i`). A case draws the model, platform,
 method (AR offload, shared+top-r for every r < k, DraftExpert with each distilled preset or the
-zero draft expert), K_max, τ, B, budget mode, truncation, prefetch, the drafter's KV cache, the
-accelerator cache, llama.cpp's staging, a prompt (a suite prompt, or random token ids), the
-number of new tokens and — on the torch engine, which samples — the temperature and seed, and
+zero draft expert, prompt lookup with its proposal length and n-gram), K_max, τ, B, budget mode,
+truncation, prefetch, the drafter's KV cache, the accelerator cache, llama.cpp's staging, a prompt
+(a suite prompt, or random token ids), the number of new tokens and — on the torch engine, which samples — the temperature and seed, and
 (drawn last, so that adding it left every other draw of a case as it was) the torch engine's head
 type on the CPU platforms. Each
 decoder is built by `bench.cells.decoders.make_decoder`, the factory `bench run` uses.
@@ -36,6 +36,7 @@ from bench.cells.decoders import available_device, make_decoder
 from bench.suites import prompts
 from bench.suites.prompts import render_prompt
 from draftexpert.speculation.config import SpecConfig
+from draftexpert.speculation.lookup import PLD_TOKENS, Lookup
 
 SPEC = SpecConfig()
 
@@ -69,6 +70,8 @@ class Case:
     temperature: float = 0.0
     seed: int = SPEC.seed
     head_type: str = "checkpoint"
+    pld_tokens: int = PLD_TOKENS
+    pld_max_ngram: int = Lookup.max_ngram
 
 
 def draw(engine: str, seed: int, index: int) -> Case:
@@ -117,6 +120,8 @@ def draw(engine: str, seed: int, index: int) -> Case:
         c.update(temperature=round(rng.uniform(0.3, 1.5), 2), seed=rng.randrange(1 << 16))
     if engine == "torch" and platform in ("mn", "resident") and rng.random() < 0.3:
         c["head_type"] = "q4_0"  # MLPs and LM head on ggml's Q4_0 kernels (a CPU only)
+    if method != "ar" and rng.random() < 0.25:  # drawn after the head type: every earlier draw stays
+        c.update(method="pld", pld_tokens=rng.randint(1, 12), pld_max_ngram=rng.randint(1, 4))
     return Case(**c)
 
 
@@ -189,6 +194,8 @@ class Campaign:
         spec = SpecOptions(
             r=case.r,
             draft_experts=self._draft_file(case),
+            pld_tokens=case.pld_tokens,
+            pld_max_ngram=case.pld_max_ngram,
             round=SpecConfig(
                 k_max=case.k_max,
                 tau=case.tau,

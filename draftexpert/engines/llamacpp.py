@@ -54,7 +54,7 @@ import mmap
 import os
 import re
 import time
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
@@ -341,6 +341,22 @@ class ExpertPages:
             _libc.madvise(start, end - start, MADV_RANDOM)
         os.posix_fadvise(self.fd, 0, 0, POSIX_FADV_DONTNEED)
 
+    def evict_experts(self, keys) -> None:
+        """Drop the pages of experts `keys` only (the staging budget keeps the others): each range's
+        whole pages, from llama.cpp's mappings and from the page cache. A page an evicted expert
+        shares with a neighbour stays; `cached` then finds the evicted expert incomplete (a load)."""
+        if self._mappings is None:
+            self.find_mappings()
+        for layer, e in keys:
+            for off, n in self.ranges(layer, e):
+                first, last = -(-off // PAGE) * PAGE, (off + n) // PAGE * PAGE
+                if last <= first:
+                    continue
+                for start, end, at in self._mappings:
+                    if at <= first and last <= at + end - start:
+                        _libc.madvise(start + first - at, last - first, MADV_DONTNEED)
+                os.posix_fadvise(self.fd, first, last - first, POSIX_FADV_DONTNEED)
+
     def find_mappings(self) -> None:
         """llama.cpp's mappings of the file (one per model loaded; not our own, never touched)."""
         self._mappings = []
@@ -457,9 +473,12 @@ class LlamaEngine:
         router: tuple | None = None,
         name: str = "ar",
         staging: str = "demand",
+        staging_budget: int = 0,
     ):
         if staging not in STAGING:
             raise ValueError(f"--staging: {staging!r} is not one of {', '.join(STAGING)}")
+        if staging_budget and staging != "demand":
+            raise ValueError("--staging-budget keeps staged experts between steps: it needs --staging demand")
         if drafter is not None and build_info().get("LLAMAFILE") == "1":
             raise LlamaCppError(
                 "this llama.cpp build multiplies with llamafile's sgemm, whose results depend on the batch size: a "
@@ -472,6 +491,11 @@ class LlamaEngine:
         self.target, self.drafter, self.pages, self.router, self.name = target, drafter, pages, router, name
         self.context_length = min(m.n_ctx for m in (target, drafter) if m is not None)
         self.staging = staging
+        # bytes of whole experts kept in the page cache between steps / rounds, least recently routed
+        # out first (0: the paper's cold setting, everything evicted)
+        self.staging_budget = staging_budget
+        self._recent: OrderedDict[tuple[int, int], None] = OrderedDict()  # routed or prefetched, oldest first
+        self._kept_pages = 0  # expert pages the last eviction left in the page cache
         self.ledger = Ledger()
         self.page_cache_bytes = 0  # expert bytes that entered the page cache (read-around included)
         self._stall: dict[int, float] = defaultdict(float)  # this forward's seconds waiting in `_stage`, per layer
@@ -492,6 +516,10 @@ class LlamaEngine:
             if key[1] not in seen:  # first sight in this forward (a long prompt's later ubatches see them again)
                 seen[key[1]] = key in self._since_evict and (self.staging == "resident" or self.pages.cached(key))
         self._since_evict.update(chosen)
+        if self.staging_budget:
+            for key in chosen:
+                self._recent[key] = None
+                self._recent.move_to_end(key)
         if self.staging == "demand":
             t0 = time.perf_counter()
             self.pages.stage(chosen)
@@ -509,10 +537,25 @@ class LlamaEngine:
         return torch.from_numpy(logits)
 
     def _evict(self) -> None:
-        """Every expert page that came in since the last eviction is counted, then dropped."""
-        self.page_cache_bytes += self.pages.cached_pages() * PAGE
-        self.pages.evict()
-        self._since_evict = set()
+        """Every expert page that came in since the last eviction is counted, then dropped — with a
+        staging budget, all but the most recently routed experts that fit it."""
+        self.page_cache_bytes += (self.pages.cached_pages() - self._kept_pages) * PAGE  # what came in since
+        if not self.staging_budget:
+            self.pages.evict()
+            self._since_evict = set()
+            return
+        keep, held = set(), 0
+        for key in reversed(self._recent):
+            b = self.pages.nbytes[key[0]]
+            if held + b > self.staging_budget:
+                break
+            keep.add(key)
+            held += b
+        for key in [k for k in self._recent if k not in keep]:
+            del self._recent[key]
+        self.pages.evict_experts(self._since_evict - keep)
+        self._since_evict = set(keep)
+        self._kept_pages = self.pages.cached_pages()
 
     def start(self, capacity: int) -> None:
         self.ledger.reset()
@@ -524,7 +567,9 @@ class LlamaEngine:
             self.pages.stage_all()
             self._since_evict = set(self.pages.keys)
         else:
-            self._evict()
+            self._recent.clear()
+            self.pages.evict()  # a sequence starts cold, whatever the budget
+            self._since_evict, self._kept_pages = set(), 0
         self.page_cache_bytes = 0
 
     def prefill(self, ids: list[int]) -> torch.Tensor:
@@ -566,6 +611,9 @@ class LlamaEngine:
         """WILLNEED on the experts not already cached (the drafter's own, or earlier prefetches)."""
         issued = {key for key in keys if not self.pages.cached(key)}
         self._since_evict |= issued
+        if self.staging_budget:
+            for key in issued:
+                self._recent[key] = None
         if issued:
             self.ledger.record_prefetch(len(issued), self.pages.prefetch(issued))
             self._prefetched |= issued
@@ -605,7 +653,10 @@ class LlamaEngine:
                     "(memory pressure?), so it was not the resident bound; free memory and rerun"
                 )
             return {"ledger": self.ledger.summary(), "page_cache_bytes": 0}
-        return {"ledger": self.ledger.summary(), "page_cache_bytes": self.page_cache_bytes + cached * PAGE}
+        return {
+            "ledger": self.ledger.summary(),
+            "page_cache_bytes": self.page_cache_bytes + (cached - self._kept_pages) * PAGE,
+        }
 
     def close(self) -> None:
         for m in (self.target, self.drafter):

@@ -193,10 +193,13 @@ class SpeculativeDecoder:
         committed, tokens = list(prompt_ids) + [first], [first]
         stats = RoundStats(cfg.k_max)
         emitted_per_round: list[int] = []  # Spec-Bench's accept_lengths: tokens each round emitted
+        prefetch_peak = 0  # the most bytes one round prefetched: the prefetch buffer it needs
         while len(tokens) < max_new_tokens and tokens[-1] != eos_token_id:
             k_limit = min(cfg.k_max, max_new_tokens - len(tokens) - 1)
             eng.begin_round()
+            prefetched_before = eng.ledger.prefetch["bytes"]
             draft = self.draft(committed, k_limit, gen) if k_limit > 0 else Draft()
+            prefetch_peak = max(prefetch_peak, eng.ledger.prefetch["bytes"] - prefetched_before)
             resident = eng.resident() - draft.prefetched  # moved by the drafter, or cached
             logits = self.verify(committed, draft.tokens)
             needed = eng.routed()
@@ -230,5 +233,10 @@ class SpeculativeDecoder:
             tokens=tokens,
             prefill_s=t1 - t0,
             decode_s=t2 - t1,
-            stats={**stats.counters(), "accept_lengths": emitted_per_round, **eng.stats()},
+            stats={
+                **stats.counters(),
+                "accept_lengths": emitted_per_round,
+                "prefetch_peak_bytes": prefetch_peak,
+                **eng.stats(),
+            },
         )
