@@ -5,10 +5,11 @@ replays by itself (`bench fuzz --engine E --seed S --case i`). A case draws the 
 method (AR offload, shared+top-r for every r < k, DraftExpert with each distilled preset or the
 zero draft expert, prompt lookup with its proposal length and n-gram), K_max, τ, B, budget mode,
 truncation, prefetch, the drafter's KV cache, the accelerator cache, llama.cpp's staging, a prompt
-(a suite prompt, or random token ids), the number of new tokens and — on the torch engine, which samples — the temperature and seed, and
-(drawn last, so that adding it left every other draw of a case as it was) the torch engine's head
-type on the CPU platforms. Each
-decoder is built by `bench.cells.decoders.make_decoder`, the factory `bench run` uses.
+(a suite prompt, or random token ids), the number of new tokens and — on the torch engine, which
+samples — the temperature and seed, and (drawn last, so that adding them left every other draw of
+a case as it was) the torch engine's head type on the CPU platforms, then whether a speculative
+case runs prompt lookup instead. Each decoder is built by `bench.cells.decoders.make_decoder`, the
+factory `bench run` uses.
 
 Plain decoding is AR with every expert resident on the same weights: the checkpoint's for the
 torch engine's resident and cg platforms, the expert file's (`expert_type`) for mn and for
