@@ -374,3 +374,32 @@ def test_prompt_lookup_equals_llama_cpp_ar(ckpt, qtype):
     assert drafted > 0 and accepted < drafted, "lookup must propose and be rejected sometimes, or nothing is tested"
     target.close()
     pages.close()
+
+
+def test_staging_budget_keeps_recent_experts_and_stays_exact(disk_dir):
+    """--staging-budget: AR with an LRU of whole experts kept in the page cache between steps emits
+    cold AR's tokens, reads fewer expert bytes, and holds no more than the budget across steps
+    (what stays cached after an eviction is the kept experts, not the file)."""
+    folder = disk_dir / "ds-tiny-budget"
+    shutil.copytree(REPO / "models" / "ds-tiny", folder, ignore=shutil.ignore_patterns("draft_experts", "*.png"))
+    head, experts = model_files(folder, "q4_0")
+    target, pages = LlamaModel(head, 256, 1), ExpertPages(experts)
+    one = pages.nbytes[min(pages.nbytes)]
+    outs = {}
+    for budget in (0, 40 * one):
+        engine = LlamaEngine(target, pages, staging="demand", staging_budget=budget)
+        outs[budget] = [AROffloadDecoder(engine).generate(ids, 16, None) for ids in PROMPTS[:2]]
+        if budget:
+            engine._evict()
+            assert len(engine._since_evict) <= 40
+            assert pages.cached_pages() * llamacpp.PAGE <= budget + 4 * len(engine._since_evict) * llamacpp.PAGE
+            kept = sorted(engine._since_evict)
+            assert kept and all(pages.cached(k) for k in kept)
+    assert [o.tokens for o in outs[0]] == [o.tokens for o in outs[40 * one]]
+    cold = sum(metrics.counters(o.stats)["decode_bytes"] for o in outs[0])
+    cached = sum(metrics.counters(o.stats)["decode_bytes"] for o in outs[40 * one])
+    assert 0 < cached < 0.9 * cold
+    with pytest.raises(ValueError, match="--staging demand"):
+        LlamaEngine(target, pages, staging="pagefault", staging_budget=one)
+    target.close()
+    pages.close()

@@ -341,21 +341,29 @@ class ExpertPages:
             _libc.madvise(start, end - start, MADV_RANDOM)
         os.posix_fadvise(self.fd, 0, 0, POSIX_FADV_DONTNEED)
 
-    def evict_experts(self, keys) -> None:
-        """Drop the pages of experts `keys` only (the staging budget keeps the others): each range's
-        whole pages, from llama.cpp's mappings and from the page cache. A page an evicted expert
-        shares with a neighbour stays; `cached` then finds the evicted expert incomplete (a load)."""
+    def evict_experts(self, keys, keep=()) -> None:
+        """Drop the pages of experts `keys` (the staging budget keeps `keep`): every page of their
+        ranges but those a kept expert shares, from llama.cpp's mappings and from the page cache."""
         if self._mappings is None:
             self.find_mappings()
-        for layer, e in keys:
-            for off, n in self.ranges(layer, e):
-                first, last = -(-off // PAGE) * PAGE, (off + n) // PAGE * PAGE
-                if last <= first:
-                    continue
-                for start, end, at in self._mappings:
-                    if at <= first and last <= at + end - start:
-                        _libc.madvise(start + first - at, last - first, MADV_DONTNEED)
-                os.posix_fadvise(self.fd, first, last - first, POSIX_FADV_DONTNEED)
+        kept = {p for key in keep for p in self._pages(key)}
+        drop = sorted({p for key in keys for p in self._pages(key)} - kept)
+        runs, i = [], 0
+        while i < len(drop):  # contiguous runs of pages: one call each
+            j = i
+            while j + 1 < len(drop) and drop[j + 1] == drop[j] + 1:
+                j += 1
+            runs.append((drop[i] * PAGE, (drop[j] + 1 - drop[i]) * PAGE))
+            i = j + 1
+        for off, n in runs:
+            for start, end, at in self._mappings:
+                lo, hi = max(off, at), min(off + n, at + end - start)
+                if lo < hi:
+                    _libc.madvise(start + lo - at, hi - lo, MADV_DONTNEED)
+            os.posix_fadvise(self.fd, off, n, POSIX_FADV_DONTNEED)
+
+    def _pages(self, key: tuple[int, int]) -> list[int]:
+        return [p for off, n in self.ranges(*key) for p in range(off // PAGE, -(-(off + n) // PAGE))]
 
     def find_mappings(self) -> None:
         """llama.cpp's mappings of the file (one per model loaded; not our own, never touched)."""
@@ -553,7 +561,7 @@ class LlamaEngine:
             held += b
         for key in [k for k in self._recent if k not in keep]:
             del self._recent[key]
-        self.pages.evict_experts(self._since_evict - keep)
+        self.pages.evict_experts(self._since_evict - keep, keep)
         self._since_evict = set(keep)
         self._kept_pages = self.pages.cached_pages()
 
