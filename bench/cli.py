@@ -1039,15 +1039,9 @@ def specbench_cmd(
     ARs, mean accepted tokens, loads per token, answers equal to AR's, and Spec-Bench's own
     speed-up from the exported answer files. Writes spec_bench_<model>_<platform>_<engine>.md /
     .json, the answer files and the run folders under --out; resumable."""
-    import datetime
-
     import torch
-    from transformers import AutoTokenizer
 
-    from bench.runs.readcap import ReadCap, ReadCapError
     from bench.steps import specbench as sb
-    from bench.suites import prompts
-    from paper_figs.spec_bench import page
 
     cell = make_cell(
         given_options(ctx) & {"device", "expert_type"},
@@ -1068,53 +1062,30 @@ def specbench_cmd(
     cap_list = [None if c.lower() == "none" else _read_bw(c) for c in caps] if caps else [None, sb.DEFAULT_CAP]
     if any(cap_list) and platform != "mn":
         fail("--cap: read caps throttle storage; only platform mn reads its experts from storage")
-    if any(cap_list):
-        try:
-            with ReadCap(10**9, expert_file(model, folder, expert_type)):
-                pass
-        except ReadCapError as e:
-            log(f"the capped runs are skipped: {e}")
-            cap_list = [c for c in cap_list if c is None]
-    questions = prompts.load("spec_bench", limit)
-    stem = f"{model}_{platform}_{engine}"
-    out_dir = _run_dir(out / "runs" / f"spec_bench-{stem.replace('_', '-')}", out / "runs" / "spec_bench")
-    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
-    machine = _machine()
-    with _named_errors(), _resumable(out_dir):
-        res = sb.spec_bench(
-            cell,
-            folder,
-            questions,
-            out_dir,
-            out / "spec_bench" / stem,
-            lambda qt: expert_file(model, folder, qt),
-            machine,
-            tokenizer,
-            cap_list,
-            spec_bench_dir,
-            log,
-        )
+    cap_list = sb.usable_caps(cap_list, expert_file(model, folder, expert_type), log)
     command = (
         f"bench specbench --model {model} --platform {platform} --engine {engine}"
         + (f" --expert-type {expert_type}" if expert_type != "q4_0" else "")
-        + f" --limit {limit} "
-        f"--max-new-tokens {max_new_tokens}"
+        + f" --limit {limit} --max-new-tokens {max_new_tokens}"
         + "".join(f" --cap {c}" for c in caps or [])
         + f" --threads {threads}"
         + (" --spec-bench-dir <Spec-Bench checkout>" if spec_bench_dir else "")
     )
-    for c in res["caps"]:
-        c["answers"] = {
-            k: str(Path(v).relative_to(out.parent)) if Path(v).is_relative_to(out.parent) else v
-            for k, v in c["answers"].items()
-        }
-    today = datetime.date.today().isoformat()
-    text = page(res, command, machine.get("machine_id", "?"), today)
-    from bench.runs.results import write_json_atomic
-
-    write_json_atomic(out / f"spec_bench_{stem}.json", {**res, "command": command, "date": today})
-    (out / f"spec_bench_{stem}.md").write_text(text)
-    emit(res, as_json, text + f"\n\n→ {out / f'spec_bench_{stem}.md'}")
+    _run_dir(None, out / "runs")
+    with _named_errors(), _resumable(out / "runs"):
+        res, text, path = sb.run_and_write(
+            cell,
+            folder,
+            limit,
+            cap_list,
+            out,
+            lambda qt: expert_file(model, folder, qt),
+            _machine(),
+            command,
+            spec_bench_dir,
+            log,
+        )
+    emit(res, as_json, text + f"\n\n→ {path}")
 
 
 def _list(values: list[str] | None) -> list[str]:

@@ -52,7 +52,19 @@ def test_reproduce_writes_fig1a_and_lists_pending(tmp_path):
     assert not (tmp_path / "spec_compare_ml-tiny_mn.json").exists()  # --model: only the models named
     for model in ("ds-tiny",):
         spec = json.loads((tmp_path / f"spec_compare_{model}_mn.json").read_text())
-        assert set(spec["methods"]) == {"ar", "ar-resident", "top-1", "top-2", "top-3", "draftexpert"}
+        assert set(spec["methods"]) == {
+            "ar",
+            "ar-resident",
+            "top-1",
+            "top-2",
+            "top-3",
+            "draftexpert",
+            "pld",
+            "ar-cache",
+        }
+        cache = spec["methods"]["ar-cache"]
+        assert cache["method_args"]["staging_budget"] == cache["extra_memory"]["bytes"] > 0
+        assert spec["methods"]["draftexpert"]["speedup_vs_cache"] is not None
         assert spec["methods"]["ar"]["physical_limit_tps"] > 0
         assert spec["methods"]["ar-resident"]["physical_limit_tps"] is None
         assert all(spec["tokens_equal_ar"].values()) and spec["methods"]["top-1"]["acceptance"] is not None
@@ -79,6 +91,11 @@ def test_reproduce_writes_fig1a_and_lists_pending(tmp_path):
         assert one(dense["rows"]) == one(f45_all["rows"])  # and an AR step's bytes
         assert f45["length"] == list(range(1, 9)) and f45["unique"][0] == 30  # one AR step: 5 MoE layers × top-6
         assert all(a <= b for a, b in zip(f45["unique"], f45["unique"][1:])) and f45["unique"][-1] <= f45["linear"][-1]
+        for engine in ("torch", "llama.cpp"):
+            sb = json.loads((tmp_path / f"spec_bench_{model}_mn_{engine}.json").read_text())
+            assert [c["read_bw"] for c in sb["caps"]] == [None] and sb["questions"]["mt_bench"] == 1
+            assert all(r["equal_ar"] for t in sb["caps"][0]["per_task"].values() for r in t.values())
+            assert (tmp_path / "spec_bench" / f"{model}_mn_{engine}" / "uncapped" / f"{model}-pld.jsonl").exists()
         cc = json.loads((tmp_path / f"crosscheck_{model}.json").read_text())
         assert cc["prompts"] == 6 and cc["token_mismatches"] == 0 and cc["layer_positions"] > 0
     corpus = (REPO / "work" / "corpus" / "val.jsonl").exists()  # Table 5's held-out text (`bench data corpus`)

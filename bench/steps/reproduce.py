@@ -30,7 +30,7 @@ from bench.runs.results import load_results, write_json_atomic
 from bench.runs.runner import run_cells
 from bench.runs.telemetry import collect, expert_storage, machine_id
 from bench.steps import distill as bd
-from bench.steps import speed
+from bench.steps import specbench, speed
 from bench.steps.compare import REGIME_CAPS, compare, measured_read_bw
 from bench.steps.crosscheck import crosscheck as crosscheck_engines
 from bench.steps.sweep import verify_sweep
@@ -469,6 +469,55 @@ def table5(
     return written
 
 
+SPEC_BENCH_LIMIT, SPEC_BENCH_TOKENS = 2, 32  # questions per task, tokens per turn: all 480 take hours here
+
+
+def spec_bench_tables(
+    results_dir: Path,
+    log,
+    limit: int = SPEC_BENCH_LIMIT,
+    tokens: int = SPEC_BENCH_TOKENS,
+    engines: tuple[str, ...] = ("torch", "llama.cpp"),
+    models: tuple[str, ...] = TINY_MODELS,
+    quick: bool = False,
+) -> list[str]:
+    """The Spec-Bench table for each tiny model and engine on mn, uncapped and under the default
+    load-bound read cap (`bench specbench`; resumable); `quick`: uncapped only. `bench specbench
+    --limit 80` runs all 480."""
+    written = []
+    torch.set_num_threads(FIG1B_THREADS)
+    machine = collect(expert_storage(), keep_probe=True)
+    for engine in engines:
+        for model in models:
+            folder = registry.resolve(model)
+            experts = expert_file_for(model, folder, "q4_0", log=log)
+            caps = specbench.usable_caps([None] if quick else [None, specbench.DEFAULT_CAP], experts, log)
+            base = Cell(model=model, method="draftexpert", platform="mn", engine=engine, max_new_tokens=tokens)
+            command = (
+                f"bench specbench --model {model} --platform mn --engine {engine} --limit {limit} "
+                f"--max-new-tokens {tokens}{' --cap none' if quick else ''} --threads {FIG1B_THREADS}"
+            )
+            specbench.run_and_write(
+                base,
+                folder,
+                limit,
+                caps,
+                results_dir,
+                lambda qt: expert_file_for(model, folder, qt, log=log),
+                machine,
+                command,
+                log=log,
+            )
+            stem = f"{model}_mn_{engine}"
+            written += [
+                f"results/spec_bench_{stem}.md",
+                f"results/spec_bench_{stem}.json",
+                f"results/spec_bench/{stem}/*",
+                f"results/runs/spec_bench-{stem.replace('_', '-')}/*",
+            ]
+    return written
+
+
 def reproduce(
     results_dir: Path,
     log=lambda m: print(m, file=sys.stderr),
@@ -535,6 +584,21 @@ def reproduce(
             log,
             min(per_suite, REGIME_PER_SUITE),
             min(tokens, REGIME_TOKENS),
+            quick=per_suite < FIG1B_PER_SUITE,
+        )
+        log("Spec-Bench: its questions through AR, AR + cache, top-3, pld and DraftExpert, per task")
+        try:
+            require_llama_cpp()
+            engines_here: tuple[str, ...] = ("torch", "llama.cpp")
+        except LlamaCppError:
+            engines_here = ("torch",)
+        done += spec_bench_tables(
+            results_dir,
+            log,
+            1 if per_suite < FIG1B_PER_SUITE else SPEC_BENCH_LIMIT,
+            min(tokens, SPEC_BENCH_TOKENS),
+            engines_here,
+            models,
             quick=per_suite < FIG1B_PER_SUITE,
         )
         log("Table 5: draft-expert ablation (bench distill-eval) for the tiny models")

@@ -13,6 +13,7 @@ evaluation/speed.py and equal.py print from the same files.
 
 from __future__ import annotations
 
+import datetime
 import re
 import shutil
 import subprocess
@@ -21,11 +22,16 @@ import tempfile
 import time
 from pathlib import Path
 
+from transformers import AutoTokenizer
+
 from bench.cells.cell import Cell
 from bench.runs.export import TASKS, answers_equal, export_spec_bench, read_answers, spec_bench_speed
-from bench.runs.results import read_records
+from bench.runs.readcap import ReadCap, ReadCapError
+from bench.runs.results import read_records, write_json_atomic
 from bench.steps.compare import compare
+from bench.suites import prompts
 from draftexpert import metrics
+from paper_figs.spec_bench import page
 
 LABELS = ("ar", "ar-cache", "top-3", "pld", "draftexpert")
 DEFAULT_CAP = 12 * 10**6  # bytes/s: the embedded models' AR spends ≥ 0.9 of its decode waiting for loads there
@@ -182,3 +188,57 @@ def spec_bench(
         "questions": {t: sum(q["category"] == t for q in questions) for t in TASKS[:-1]},
         "caps": cells,
     }
+
+
+def usable_caps(caps: list[int | None], expert_file: Path, log=print) -> list[int | None]:
+    """`caps` less the capped ones when the kernel's throttle cannot be applied here (with the reason)."""
+    if not any(caps):
+        return caps
+    try:
+        with ReadCap(10**9, expert_file):
+            pass
+    except ReadCapError as e:
+        log(f"the capped Spec-Bench runs are skipped: {e}")
+        return [c for c in caps if c is None]
+    return caps
+
+
+def run_and_write(
+    base: Cell,
+    folder: Path,
+    limit: int | None,
+    caps: list[int | None],
+    out: Path,
+    expert_file,
+    machine: dict,
+    command: str,
+    spec_bench_dir: Path | None = None,
+    log=print,
+) -> tuple[dict, str, Path]:
+    """The Spec-Bench table for `base`'s model, platform and engine, written to
+    `out`/spec_bench_<model>_<platform>_<engine>.md / .json, its runs under `out`/runs and its
+    answer files under `out`/spec_bench: (result, page, page path)."""
+    stem = f"{base.model}_{base.platform}_{base.engine}"
+    out = Path(out).resolve()
+    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    res = spec_bench(
+        base,
+        folder,
+        prompts.load("spec_bench", limit),
+        out / "runs" / f"spec_bench-{stem.replace('_', '-')}",
+        out / "spec_bench" / stem,
+        expert_file,
+        machine,
+        tokenizer,
+        caps,
+        spec_bench_dir,
+        log,
+    )
+    for c in res["caps"]:  # paths as the results folder's parent sees them (results/…)
+        c["answers"] = {k: str(Path(v).relative_to(out.parent)) for k, v in c["answers"].items()}
+    today = datetime.date.today().isoformat()
+    text = page(res, command, machine.get("machine_id", "?"), today)
+    write_json_atomic(out / f"spec_bench_{stem}.json", {**res, "command": command, "date": today})
+    path = out / f"spec_bench_{stem}.md"
+    path.write_text(text)
+    return res, text, path
