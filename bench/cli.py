@@ -758,7 +758,12 @@ def run(
         ),
     ] = 0,
     staging_budget: Annotated[
-        int, typer.Option("--staging-budget", min=0, help="mn: bytes of raw experts kept staged in DRAM between steps.")
+        int,
+        typer.Option(
+            "--staging-budget",
+            min=0,
+            help="mn: bytes of whole experts kept between steps, least recently used out (torch: raw bytes in DRAM; llama.cpp: in the page cache); 0: cold.",
+        ),
     ] = 0,
     temperature: Annotated[float, typer.Option("--temperature", min=0.0)] = SPEC.temperature,
     seed: Annotated[int, typer.Option("--seed")] = SPEC.seed,

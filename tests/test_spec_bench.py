@@ -4,10 +4,14 @@ and the replicas of its speed.py / equal.py measures."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 from typer.testing import CliRunner
 
+from bench.cells import registry
 from bench.cells.artifacts import expert_file_for
 from bench.cells.cell import Cell
 from bench.cells.decoders import make_decoder
@@ -238,3 +242,18 @@ def test_specbench_writes_every_task_and_method(tmp_path):
     again = CliRunner().invoke(app, args)  # resumable: nothing is decoded twice
     assert again.exit_code == 0 and len(before) == 5
     assert {p: p.read_bytes() for p in runs.glob("*/records.jsonl")} == before
+
+
+def test_embedded_tokenizers_load_as_speed_py_loads_them():
+    """speed.py calls AutoTokenizer.from_pretrained(<model folder>) with no other argument: offline,
+    the embedded models' folders must load that way (and count tokens as len(input_ids) - 1 expects)."""
+    code = (
+        "import sys; from transformers import AutoTokenizer; "
+        "t = AutoTokenizer.from_pretrained(sys.argv[1]); print(len(t('hello world').input_ids))"
+    )
+    for model in ("ds-tiny", "ml-tiny"):
+        folder = registry.resolve(model)
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+        out = subprocess.run([sys.executable, "-c", code, str(folder)], env=env, capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+        assert int(out.stdout.split()[-1]) >= 2
