@@ -762,7 +762,8 @@ def run(
         typer.Option(
             "--staging-budget",
             min=0,
-            help="mn: bytes of whole experts kept between steps, least recently used out (torch: raw bytes in DRAM; llama.cpp: in the page cache); 0: cold.",
+            help="mn: bytes of whole experts kept between steps, least recently used out "
+            "(torch: raw bytes in DRAM; llama.cpp: in the page cache); 0: cold.",
         ),
     ] = 0,
     temperature: Annotated[float, typer.Option("--temperature", min=0.0)] = SPEC.temperature,
