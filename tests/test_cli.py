@@ -133,9 +133,15 @@ def test_reproduce_cg_rows_put_the_resident_bound_and_the_copy_in_limit_beside_a
         "top-2",
         "top-3",
         "draftexpert",
+        "pld",
+        "ar-cache",
     }
     assert all(res["tokens_equal_ar"].values())
     rows = res["methods"]
+    one_expert = 3 * 256 * 128 * 4  # ds-tiny: hidden 256, moe_intermediate 128, fp32 on cg's accelerator
+    cache = rows["ar-cache"]
+    assert cache["method_args"]["cache_experts"] == cache["extra_memory"]["bytes"] // one_expert > 0
+    assert 0 < cache["cache_hit_bytes"] < 1  # it saved some of cold AR's copies
     assert rows["ar-resident"]["platform"] == "resident" and rows["ar-resident"]["method_args"]["device"] == "cpu"
     assert rows["ar"]["loading_share"] > 0 and rows["ar-resident"]["decode_loads"] == 0
     assert rows["ar"]["physical_limit_tps"] > 0

@@ -321,6 +321,8 @@ class ExpertPages:
         self._buf = bytearray(max(s.nbytes for s in self.slices.values()))  # `stage` reads through it
         # (start, end, file offset) of each mapping of the file
         self._mappings: list[tuple[int, int, int]] | None = None
+        self._spans: dict[tuple[int, int], list[tuple[int, int]]] | None = None  # `_index_pages`
+        self._shared: dict[int, frozenset] = {}
 
     def ranges(self, layer: int, e: int) -> list[tuple[int, int]]:
         """(file offset, bytes) of expert e's gate_up and down slices (`ExpertFile.ranges`)."""
@@ -346,24 +348,32 @@ class ExpertPages:
         ranges but those a kept expert shares, from llama.cpp's mappings and from the page cache."""
         if self._mappings is None:
             self.find_mappings()
-        kept = {p for key in keep for p in self._pages(key)}
-        drop = sorted({p for key in keys for p in self._pages(key)} - kept)
-        runs, i = [], 0
-        while i < len(drop):  # contiguous runs of pages: one call each
-            j = i
-            while j + 1 < len(drop) and drop[j + 1] == drop[j] + 1:
-                j += 1
-            runs.append((drop[i] * PAGE, (drop[j] + 1 - drop[i]) * PAGE))
-            i = j + 1
-        for off, n in runs:
-            for start, end, at in self._mappings:
-                lo, hi = max(off, at), min(off + n, at + end - start)
-                if lo < hi:
-                    _libc.madvise(start + lo - at, hi - lo, MADV_DONTNEED)
-            os.posix_fadvise(self.fd, off, n, POSIX_FADV_DONTNEED)
+        if self._spans is None:
+            self._index_pages()
+        for key in keys:
+            for lo, hi in self._spans[key]:
+                if any(o in keep for o in self._shared.get(lo, ())):
+                    lo += 1
+                if hi > lo and any(o in keep for o in self._shared.get(hi - 1, ())):
+                    hi -= 1
+                if hi <= lo:
+                    continue
+                off, n = lo * PAGE, (hi - lo) * PAGE
+                for start, end, at in self._mappings:
+                    a, b = max(off, at), min(off + n, at + end - start)
+                    if a < b:
+                        _libc.madvise(start + a - at, b - a, MADV_DONTNEED)
+                os.posix_fadvise(self.fd, off, n, POSIX_FADV_DONTNEED)
 
-    def _pages(self, key: tuple[int, int]) -> list[int]:
-        return [p for off, n in self.ranges(*key) for p in range(off // PAGE, -(-(off + n) // PAGE))]
+    def _index_pages(self) -> None:
+        """Each expert's page spans [first, last) and, for a page two experts share, its owners."""
+        self._spans, owners = {}, defaultdict(set)
+        for key in self.keys:
+            self._spans[key] = [(off // PAGE, -(-(off + n) // PAGE)) for off, n in self.ranges(*key)]
+            for lo, hi in self._spans[key]:
+                owners[lo].add(key)
+                owners[hi - 1].add(key)
+        self._shared = {p: frozenset(o) for p, o in owners.items() if len(o) > 1}
 
     def find_mappings(self) -> None:
         """llama.cpp's mappings of the file (one per model loaded; not our own, never touched)."""
