@@ -44,9 +44,9 @@ def cap_section(cell: dict, tasks: list[str]) -> str:
     lines = [
         head,
         "",
-        "| task | method | questions (turns) | TPS | ×AR | ×AR-cache | mean accepted | loads/tok | MiB/tok "
+        "| task | method | questions (turns) | TPS | ×AR | ×AR-cache | limit TPS | mean accepted | loads/tok | MiB/tok "
         "| equals AR | speed.py ×AR | speed.py mean accepted |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for task in tasks:
         for label, tasks in cell["per_task"].items():
@@ -60,7 +60,8 @@ def cap_section(cell: dict, tasks: list[str]) -> str:
             lines.append(
                 f"| {task} | {NAMES.get(label, label)} | {row['questions']} ({row['turns']}) | "
                 f"{_f(row['decode_tps'], '{:.1f}')} | {_f(row['speedup'], '{:.2f}')} | "
-                f"{_f(row['speedup_vs_cache'], '{:.2f}')} | {_f(row['mean_accepted_tokens'], '{:.2f}')} | "
+                f"{_f(row['speedup_vs_cache'], '{:.2f}')} | {_f(row.get('physical_limit_tps'), '{:.1f}')} | "
+                f"{_f(row['mean_accepted_tokens'], '{:.2f}')} | "
                 f"{_f(row['loads_per_token'], '{:.1f}')} | {_f(row['mib_per_token'], '{:.2f}')} | "
                 f"{row['equal_ar']} | {sb} | "
                 f"{_f(row['spec_bench_mean_accepted'], '{:.2f}')} |"
@@ -112,7 +113,10 @@ def page(res: dict, command: str, machine_id: str, date: str) -> str:
         "from its text), and, where a Spec-Bench checkout was given, what its unmodified evaluation/speed.py "
         "printed from the same files. speed.py counts a method's tokens as its new_tokens but the baseline's as "
         "its re-tokenised text less one token a turn (a BOS): AR's own row shows what that alone makes of 1.00 "
-        "with this tokenizer. loads/tok counts every expert brought to the accelerator (on mn, from a staged "
+        "with this tokenizer. limit TPS = the read bandwidth (the cap, else the storage's measured O_DIRECT "
+        "rate) ÷ the bytes a method moves per emitted token: its speed with free compute. The resident bound "
+        "(every expert held) is not run on these questions; Table 2 (`results/spec_compare_*`) gives it for the "
+        "same models and engines. loads/tok counts every expert brought to the accelerator (on mn, from a staged "
         "DRAM copy too); MiB/tok the bytes read from storage.\n\n"
         + "\n\n".join(cap_section(c, res["tasks"]) for c in res["caps"])
         + "\n"

@@ -85,6 +85,7 @@ def cap_table(
     for label, tasks in per_task.items():
         for task, row in tasks.items():
             row.update(metrics.relative(row, per_task["ar"].get(task)))
+            row["physical_limit_tps"] = metrics.physical_limit_tps(row, res["limit_read_bw"])
             cached = per_task.get("ar-cache", {}).get(task)
             row["speedup_vs_cache"] = metrics.relative(row, cached)["speedup"] if cached else None
             sb = spec_bench_speed(answers[label], answers["ar"], tokenizer, task)
@@ -94,11 +95,16 @@ def cap_table(
         row.pop("tokens", None)
     return {
         "read_bw": base.read_bw,
+        "limit_read_bw": res["limit_read_bw"],  # the cap, else the storage's measured O_DIRECT bandwidth
         "methods": res["methods"],
         "per_task": per_task,
         "answers": {label: str(f) for label, f in files.items()},
         "answers_equal_ar": {label: answers_equal(answers["ar"], a) for label, a in answers.items() if label != "ar"},
-        "not_run": {label: ids for label, ids in not_run.items() if ids},  # e.g. a prompt longer than the context
+        "not_run": {label: ids for label, ids in not_run.items() if ids},
+        "finished_at": [
+            min(r["finished_at"] for rs in recs.values() for r in rs),
+            max(r["finished_at"] for rs in recs.values() for r in rs),
+        ],  # when its cells ran  # e.g. a prompt longer than the context
         "wall_s": elapsed,
     }
 
@@ -236,9 +242,16 @@ def run_and_write(
     )
     for c in res["caps"]:  # paths as the results folder's parent sees them (results/…)
         c["answers"] = {k: str(Path(v).relative_to(out.parent)) for k, v in c["answers"].items()}
-    today = datetime.date.today().isoformat()
-    text = page(res, command, machine.get("machine_id", "?"), today)
-    write_json_atomic(out / f"spec_bench_{stem}.json", {**res, "command": command, "date": today})
+    days = sorted(
+        {
+            datetime.datetime.fromtimestamp(t, datetime.timezone.utc).date().isoformat()
+            for c in res["caps"]
+            for t in c["finished_at"]
+        }
+    )
+    date = days[0] if len(days) == 1 else f"{days[0]} to {days[-1]} (UTC)"  # when the cells ran
+    text = page(res, command, machine.get("machine_id", "?"), date)
+    write_json_atomic(out / f"spec_bench_{stem}.json", {**res, "command": command, "date": date})
     path = out / f"spec_bench_{stem}.md"
     path.write_text(text)
     return res, text, path
