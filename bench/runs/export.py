@@ -21,9 +21,9 @@ import json
 from pathlib import Path
 
 from bench.runs.results import read_records
+from bench.suites.prompts import MT_BENCH_CATEGORIES, SPEC_BENCH_TASKS
 
-MT_BENCH = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
-TASKS = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag", "overall")
+TASKS = (*SPEC_BENCH_TASKS, "overall")  # speed.py's report: every task, then all questions
 
 
 class ExportError(ValueError):
@@ -102,9 +102,9 @@ def read_answers(path: Path) -> list[dict]:
 
 
 def in_task(answer: dict, task: str) -> bool:
-    if task == "overall":
+    if task == "overall":  # as speed.py selects: mt_bench = MT-Bench's own categories
         return True
-    return answer["category"] in MT_BENCH if task == "mt_bench" else answer["category"] == task
+    return answer["category"] in MT_BENCH_CATEGORIES if task == "mt_bench" else answer["category"] == task
 
 
 def spec_bench_speed(answers: list[dict], base: list[dict], tokenizer, task: str = "overall") -> dict | None:
