@@ -157,7 +157,7 @@ CompileOpt = Annotated[
 ]
 SPEC = SpecConfig()  # the round's defaults, the library's own
 REPO_ROOT = registry.REPO_ROOT
-WORK_DIR = REPO_ROOT / "work"
+WORK_DIR = registry.work_dir()
 
 
 def log(msg: str) -> None:

@@ -8,7 +8,8 @@ or unfinished one is rebuilt, never used.
 
 Draft experts: embedded models keep theirs beside the weights,
 `models/<name>/draft_experts/<preset>.safetensors`; real models (whose folder may be a read-only
-Hugging Face cache) under `work/draft_experts/<name>/`.
+Hugging Face cache) under `work/draft_experts/<name>/<weights sha256[:12]>/` (`$DRAFTEXPERT_WORK`
+instead of `work/` when set).
 """
 
 from __future__ import annotations
@@ -23,12 +24,12 @@ from pathlib import Path
 from bench.cells import registry
 from bench.suites.sources import cache_dir
 from draftexpert.engines.llama_gguf import link_experts, split_name, write_head
-from draftexpert.runtime.checkpoint import write_dense_counterpart
+from draftexpert.runtime.checkpoint import weights_fingerprint, write_dense_counterpart
 from draftexpert.runtime.gguf_checksums import checksum_path, verify_checksums
 from draftexpert.runtime.loader import convert_experts
 from draftexpert.training.distill import load_draft_experts
 
-WORK = registry.REPO_ROOT / "work"
+WORK = registry.work_dir()  # $DRAFTEXPERT_WORK, else work/ in this checkout
 
 
 def _stderr(msg: str) -> None:
@@ -116,8 +117,13 @@ def llama_head_for(
 
 
 def experts_dir(model: str, folder: Path) -> Path:
+    """Embedded models: beside the weights. Real models: `work/draft_experts/<model>/<weights sha256
+    [:12]>/` — one folder per checkpoint, so draft experts trained for one copy are never overwritten
+    (nor looked for) on behalf of another."""
     spec = registry.get(model)
-    return folder / "draft_experts" if spec.embedded else WORK / "draft_experts" / model
+    if spec.embedded:
+        return folder / "draft_experts"
+    return WORK / "draft_experts" / model / weights_fingerprint(folder)[:12]
 
 
 def find_draft_experts(model: str, folder: Path, preset: str = "full") -> Path | None:

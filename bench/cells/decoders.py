@@ -15,7 +15,6 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer
 
 from baselines.ar import AROffloadDecoder
 from bench.cells.artifacts import experts_dir, llama_head_for, load_draft_experts_for
@@ -24,7 +23,7 @@ from bench.suites.prompts import check_prompt_lengths, render_prompt
 from draftexpert.engines.llamacpp import ExpertPages, LlamaEngine, LlamaModel, require_llama_cpp
 from draftexpert.engines.reference import ReferenceDecoder
 from draftexpert.engines.torch_engine import TorchEngine
-from draftexpert.runtime.checkpoint import load_target, weights_fingerprint
+from draftexpert.runtime.checkpoint import load_target, load_tokenizer, weights_fingerprint
 from draftexpert.runtime.ggml_kernel import resolve_kernel
 from draftexpert.runtime.loader import CheckpointError, build_model, load_config, load_router
 from draftexpert.runtime.params import GIB, available_host_bytes, check_fits, plan, working_set_bound
@@ -77,7 +76,7 @@ def placement(platform: str, method: str, device: str | None = None, dtype: str 
 
 def _tokenizer(folder: Path):
     try:
-        return AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        return load_tokenizer(folder)
     except Exception as e:  # noqa: BLE001 - transformers raises OSError / ValueError / its own types
         raise CheckpointError(
             f"the tokenizer in {folder} could not be loaded ({type(e).__name__}); a model folder "

@@ -24,6 +24,23 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 FACTS_DIR = Path(__file__).parents[1] / "model_facts"
 EMBEDDED_DIR = REPO_ROOT / "models"
 ENV_VAR = "DRAFTEXPERT_MODELS"
+# Accept a checkpoint of a real model's architecture and routing structure at other dimensions
+# (fewer layers, a small vocabulary: the shaped checkpoints the tests write). Never set by default:
+# a user's wrong folder must still be refused.
+SHAPED_ENV = "DRAFTEXPERT_ALLOW_SHAPED"
+# What a shaped checkpoint must still share with the published one: how a token is routed.
+SHAPED_KEYS = ("n_routed_experts", "n_shared_experts", "num_experts_per_tok", "first_k_dense_replace")
+
+
+def work_dir() -> Path:
+    """Large local artifacts (corpus, token files, training state, real models' draft experts):
+    `$DRAFTEXPERT_WORK`, else `work/` in this checkout (ignored by git)."""
+    root = os.environ.get("DRAFTEXPERT_WORK")
+    return Path(root).expanduser() if root else REPO_ROOT / "work"
+
+
+def allow_shaped() -> bool:
+    return os.environ.get(SHAPED_ENV, "") not in ("", "0")
 
 
 class ModelNotFound(RuntimeError):
@@ -216,10 +233,26 @@ def identity_problem(spec: ModelSpec, cfg: dict) -> str | None:
         return f"its architecture is {arch or 'not stated'}, {spec.name}'s is {spec.architecture}"
     if not spec.embedded:
         facts = json.loads((FACTS_DIR / f"{spec.name}.json").read_text())
-        diff = [f"{k} {cfg.get(k)} (not {facts[k]})" for k in IDENTITY_KEYS if cfg.get(k) != facts.get(k)]
+        keys = SHAPED_KEYS if allow_shaped() else IDENTITY_KEYS
+        diff = [f"{k} {cfg.get(k)} (not {facts[k]})" for k in keys if cfg.get(k) != facts.get(k)]
         if diff:
-            return f"it is not {spec.hf_repo}: " + ", ".join(diff)
+            return (
+                f"it is not {spec.hf_repo}"
+                + (" (nor shaped like it)" if allow_shaped() else "")
+                + ": "
+                + ", ".join(diff)
+            )
     return None
+
+
+def is_shaped(name: str, cfg: dict) -> bool:
+    """A real model's checkpoint at other dimensions than the published one (accepted only under
+    $DRAFTEXPERT_ALLOW_SHAPED)."""
+    spec = get(name)
+    if spec.embedded:
+        return False
+    facts = json.loads((FACTS_DIR / f"{spec.name}.json").read_text())
+    return any(cfg.get(k) != facts.get(k) for k in IDENTITY_KEYS)
 
 
 def matching_models(cfg: dict) -> list[str]:

@@ -18,10 +18,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer
 
 from bench.suites.prompts import render_prompt
 from draftexpert.engines.llamacpp import LlamaModel
+from draftexpert.runtime.checkpoint import load_tokenizer
 from draftexpert.runtime.loader import build_model
 from draftexpert.runtime.model import KVCache, router_scores
 
@@ -82,7 +82,7 @@ def crosscheck(
     threads: int = 1,
     log: Callable[[str], None] = lambda m: print(m, file=sys.stderr),
 ) -> dict:
-    tok = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    tok = load_tokenizer(folder)
     model = build_model(folder, "resident")
     lm = LlamaModel(head, 2048, threads, kv_type="f32")  # the torch engine's cache is f32
     rows = []

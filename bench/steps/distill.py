@@ -4,7 +4,7 @@ measure Table 5 on held-out text and prompts.
 
 Where things go: `bench.cells.artifacts.experts_dir` (embedded models beside their weights,
 `models/<name>/draft_experts/<preset>.safetensors` + `.history.jsonl`, `.loss.png`; real models
-under `work/draft_experts/<name>/`).
+under `work/draft_experts/<name>/<weights sha256[:12]>/`).
 Training state (resumable: the same options resume) lives in `work/distill/<name>-<preset>-<options hash>/`.
 """
 
@@ -27,13 +27,14 @@ from bench.tiny.evaluate import load_split
 from bench.tiny.tokenizer import token_data_for
 from draftexpert import metrics
 from draftexpert.engines.torch_engine import TorchEngine
-from draftexpert.runtime.checkpoint import load_target, weights_fingerprint
+from draftexpert.runtime.checkpoint import load_target, load_tokenizer, weights_fingerprint
 from draftexpert.runtime.loader import build_model
 from draftexpert.runtime.params import available_host_bytes, check_distill_fits, distill_plan, plan
 from draftexpert.speculation.drafters import DraftExperts, draftexpert
 from draftexpert.speculation.round import SpecConfig, SpeculativeDecoder
 from draftexpert.training.distill import (
     PRESETS,
+    DistillConfig,
     DraftExpertModule,
     RuntimeTeacher,
     TransformersTeacher,
@@ -41,7 +42,6 @@ from draftexpert.training.distill import (
     evaluate,
     evaluate_continuations,
     load_draft_experts,
-    moe_layers,
     save_draft_experts,
     train,
 )
@@ -203,17 +203,37 @@ def distill_eval(
     log,
     held_out: int = EVAL_WINDOWS,
     files: dict[str, Path] | None = None,
+    teacher: str = "auto",
+    platform: str = "mn",
+    expert_type: str = "q4_0",
+    device: str = "cpu",
 ) -> dict:
     """Table 5 per preset: KL, token agreement, router agreement on held-out windows; acceptance
-    and prefetch hit rate of DraftExpert at K = 4 (no truncation, prefetch on, cold host store).
-    `files`: rows for other checkpoints (row name → file), e.g. an ablation's, after the presets'."""
-    hf, tok = load_target(folder)
-    hf = hf.float()
-    hf.set_experts_implementation("eager")
+    and prefetch hit rate of DraftExpert at K = 4 (no truncation, prefetch on).
+    `files`: rows for other checkpoints (row name → file), e.g. an ablation's, after the presets'.
+    The target runs as `bench distill`'s does (`teacher_kind`): the whole transformers model for the
+    embedded models (decoding on a cold host store), the offload runtime over the platform's store
+    for real ones (`platform`, `expert_type`, `device`; its memory plan checked first), which the
+    decoder then runs on too."""
+    kind = teacher_kind(model, teacher)
+    if platform not in ("mn", "cg"):
+        raise ValueError(f"--platform: {platform!r} is not one of mn, cg (where the runtime teacher's experts live)")
+    tok = load_tokenizer(folder)
     _, val_data = token_splits(folder, log)
     windows = eval_windows(val_data, held_out, seq_len)
-    lean = build_model(folder, "host")
-    layers = [i for i, _ in moe_layers(hf)]
+    if kind == "transformers":
+        hf, _ = load_target(folder)
+        hf = hf.float()
+        hf.set_experts_implementation("eager")
+        target = TransformersTeacher(hf)
+        lean = build_model(folder, "host")
+    else:
+        moe_inter = json.loads((folder / "config.json").read_text())["moe_intermediate_size"]
+        check_plan(folder, DistillConfig(seq_len=seq_len, batch_size=4, intermediate=moe_inter), kind, platform,
+                   expert_type, device)  # fmt: skip
+        target = make_teacher(model, folder, kind, platform, expert_type, device, log)
+        lean = target.model
+    layers = target.moe_layers
     rows = {}
     files = files or {}
     for preset in [*presets, *(f for f in files if f not in presets)]:
@@ -230,7 +250,7 @@ def distill_eval(
             experts, meta = load_draft_experts(path, folder)
         module = DraftExpertModule(layers, lean.cfg.hidden, experts.intermediate, seed=0)
         module.load_experts(experts)
-        row = evaluate(TransformersTeacher(hf), module, windows)
+        row = evaluate(target, module, windows)
         dec = SpeculativeDecoder(
             TorchEngine(lean, draftexpert(lean, experts)), SpecConfig(k_max=4, truncate=False, prefetch=True)
         )
@@ -240,9 +260,7 @@ def distill_eval(
         ]
         spec = metrics.aggregate([o.stats for _, o in outs])
         # exact decoding: every preset emits the target's greedy continuation, so each is read on the same tokens
-        row["continuations"] = evaluate_continuations(
-            TransformersTeacher(hf), module, [(ids, o.tokens) for ids, o in outs]
-        )
+        row["continuations"] = evaluate_continuations(target, module, [(ids, o.tokens) for ids, o in outs])
         row.update(
             acceptance_k4=spec["acceptance"],
             prefetch_hit_rate=spec["prefetch_hit_rate"],
@@ -263,6 +281,8 @@ def distill_eval(
         "seq_len": seq_len,
         "prompts": len(prompts),
         "max_new_tokens": max_new_tokens,
+        "teacher": {"kind": kind}
+        | ({"platform": platform, "expert_type": expert_type, "device": device} if kind == "runtime" else {}),
         "presets": rows,
     }
 

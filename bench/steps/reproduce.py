@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer
 
 import paper_figs.engines
 import paper_figs.fig2
@@ -38,7 +37,7 @@ from bench.suites import prompts
 from bench.suites.prompts import render_prompt
 from draftexpert import metrics
 from draftexpert.engines.llamacpp import LlamaCppError, require_llama_cpp
-from draftexpert.runtime.checkpoint import weights_fingerprint
+from draftexpert.runtime.checkpoint import load_tokenizer, weights_fingerprint
 from draftexpert.runtime.loader import build_model
 from draftexpert.runtime.params import breakdown
 from paper_figs import captions, fig1a, fig1b
@@ -53,6 +52,11 @@ PENDING_WITHOUT_GPU = [
 ]
 
 
+def _folder(model: str, folders: dict[str, Path] | None) -> Path:
+    """Where `model`'s checkpoint is: `folders` (a real model's --model-path), else the registry's search."""
+    return (folders or {}).get(model) or registry.resolve(model)
+
+
 TINY_MODELS = ("ds-tiny", "ml-tiny")  # every per-model step runs on these (`bench reproduce --model` picks some)
 FIG1B_MODEL = "ds-tiny"
 FIG1B_PER_SUITE = 2
@@ -62,34 +66,44 @@ FIG1B_CELLS = [("mn", "q4_0"), ("mn", "bf16"), ("cg", "q4_0")]
 FIG1B_THREADS = 1  # timings on one thread: comparable across machines with more cores, and with a busy neighbour
 
 
-def fig1b_runs(results_dir: Path, log, per_suite: int = FIG1B_PER_SUITE, tokens: int = FIG1B_TOKENS) -> list[str]:
-    """AR-offload runs for Fig. 1b (resumable: finished prompts are skipped), then the figure."""
+def fig1b_runs(
+    results_dir: Path,
+    log,
+    per_suite: int = FIG1B_PER_SUITE,
+    tokens: int = FIG1B_TOKENS,
+    model: str = FIG1B_MODEL,
+    folders: dict[str, Path] | None = None,
+    cells_to_run: list[tuple[str, str]] | None = None,
+    device: str | None = None,
+) -> list[str]:
+    """AR-offload runs for Fig. 1b (resumable: finished prompts are skipped), then the figure;
+    `cells_to_run` (platform, expert type) default FIG1B_CELLS; `device` cg's accelerator."""
     torch.set_num_threads(FIG1B_THREADS)
-    folder = registry.resolve(FIG1B_MODEL)
+    folder = _folder(model, folders)
     recs = prompts.load(limit=per_suite)
     runs = results_dir / "runs"
     machine = collect(expert_storage(), keep_probe=True)
     cells = set()
-    for platform, qtype in FIG1B_CELLS:
+    for platform, qtype in cells_to_run or FIG1B_CELLS:
         cell = Cell(
-            model=FIG1B_MODEL,
+            model=model,
             method="ar",
             platform=platform,
             expert_type=qtype,
             max_new_tokens=tokens,
-            device=available_device(platform),
+            device=(device or available_device(platform)) if platform == "cg" else available_device(platform),
         )
-        decoder, tok, cfg = make_decoder(cell, folder, lambda qt: expert_file_for(FIG1B_MODEL, folder, qt, log=log))
-        name = f"fig1b-{FIG1B_MODEL}-{platform}" + (f"-{qtype}" if platform == "mn" else "")
+        decoder, tok, cfg = make_decoder(cell, folder, lambda qt: expert_file_for(model, folder, qt, log=log))
+        name = f"fig1b-{model}-{platform}" + (f"-{qtype}" if platform == "mn" else "")
         cells.add(run_cells(cfg, recs, decoder, tok, runs / name, machine=machine, log=log)["config_hash"])
         decoder.close()
-    fig1b_dirs = sorted(p.name for p in runs.iterdir() if p.name.startswith("fig1b-"))
+    fig1b_dirs = sorted(p.name for p in runs.iterdir() if p.name.startswith(f"fig1b-{model}-"))
     b = fig1b.breakdown(load_results(*[runs / d for d in fig1b_dirs]), config_hashes=cells)
     (results_dir / "fig1b_breakdown.md").write_text(fig1b.table(b))
     figs = fig1b.figure(
         b,
         results_dir / "figures" / "fig1b_breakdown",
-        f"results/runs/fig1b-{FIG1B_MODEL}-*, machine {machine['machine_id']}",
+        f"results/runs/fig1b-{model}-*, machine {machine['machine_id']}",
     )
     return [
         "results/runs/fig1b-*",
@@ -108,12 +122,13 @@ def _compare_set(
     engine: str = "torch",
     platform: str = "mn",
     device: str | None = None,
+    folders: dict[str, Path] | None = None,
 ) -> dict:
     """One `bench compare` set for a tiny model on mn (Q4_0, the library's default round settings; resumable),
     its per-prompt tokens dropped from the result; `platform` cg moves the checkpoint's experts from
     host memory to `device` instead (the same round settings)."""
     torch.set_num_threads(FIG1B_THREADS)
-    folder = registry.resolve(model)
+    folder = _folder(model, folders)
     tag = "-llama.cpp" if engine == "llama.cpp" else ""
     res = compare(
         Cell(
@@ -147,6 +162,7 @@ def spec_compare(
     models: tuple[str, ...] = TINY_MODELS,
     platform: str = "mn",
     device: str | None = None,
+    folders: dict[str, Path] | None = None,
 ) -> list[str]:
     """Table 2 / 3: AR vs top-1/2/3 vs DraftExpert for each tiny model (resumable). mn: Q4_0, on the
     torch engine or llama.cpp (the same prompts, expert file and method settings); cg: the checkpoint's
@@ -158,7 +174,16 @@ def spec_compare(
     tag = engine_tag + ("_cpu" if platform == "cg" and device == "cpu" else "")
     for model in models:
         res = _compare_set(
-            results_dir, log, model, per_suite, tokens, "table2", engine=engine, platform=platform, device=device
+            results_dir,
+            log,
+            model,
+            per_suite,
+            tokens,
+            "table2",
+            engine=engine,
+            platform=platform,
+            device=device,
+            folders=folders,
         )
         name = f"spec_compare_{model}_{platform}{tag}"
         write_json_atomic(results_dir / f"{name}.json", res)
@@ -231,12 +256,13 @@ def table4(
     tokens: int = FIG1B_TOKENS,
     engine: str = "torch",
     models: tuple[str, ...] = TINY_MODELS,
+    folders: dict[str, Path] | None = None,
 ) -> list[str]:
     """Table 4 on mn: DraftExpert with fixed K, confidence–expansion truncation, and + prefetch."""
     written = []
     tag = "_llama.cpp" if engine == "llama.cpp" else ""
     for model in models:
-        res = _compare_set(results_dir, log, model, per_suite, tokens, "table4", engine=engine)
+        res = _compare_set(results_dir, log, model, per_suite, tokens, "table4", engine=engine, folders=folders)
         write_json_atomic(results_dir / f"table4_{model}_mn{tag}.json", res)
         (results_dir / f"table4_{model}_mn{tag}.md").write_text(
             captions.table4_page(res, per_suite, tokens, FIG1B_THREADS)
@@ -295,11 +321,12 @@ def fig3(
     per_suite: int = FIG1B_PER_SUITE,
     tokens: int = FIG1B_TOKENS,
     models: tuple[str, ...] = TINY_MODELS,
+    folders: dict[str, Path] | None = None,
 ) -> list[str]:
     """Fig. 3 on mn: each drafter's cumulative unique layer-experts vs draft length (K = 8, fixed)."""
     written = []
     for model in models:
-        res = _compare_set(results_dir, log, model, per_suite, tokens, "fig3")  # the set fixes K = 8
+        res = _compare_set(results_dir, log, model, per_suite, tokens, "fig3", folders=folders)  # K = 8
         curves = {
             label.removesuffix("-k8"): row["draft_unique_curve"]
             for label, row in res["methods"].items()
@@ -308,7 +335,7 @@ def fig3(
         (results_dir / f"fig3_{model}_mn.md").write_text(
             captions.fig3_page(model, curves, per_suite, tokens, all(res["tokens_equal_ar"].values()))
         )
-        cfg = json.loads((registry.resolve(model) / "config.json").read_text())
+        cfg = json.loads((_folder(model, folders) / "config.json").read_text())
         moe = cfg["num_hidden_layers"] - cfg["first_k_dense_replace"]
         figs = paper_figs.fig3.figure(
             curves,
@@ -326,7 +353,12 @@ SWEEP_STARTS = [0, 8, 16]
 
 
 def fig45(
-    results_dir: Path, log, per_suite: int = FIG1B_PER_SUITE, quick: bool = False, models: tuple[str, ...] = TINY_MODELS
+    results_dir: Path,
+    log,
+    per_suite: int = FIG1B_PER_SUITE,
+    quick: bool = False,
+    models: tuple[str, ...] = TINY_MODELS,
+    folders: dict[str, Path] | None = None,
 ) -> list[str]:
     """Figs. 4–5 on mn (Q4_0, cold, torch engine): verify cost and unique experts vs block length,
     and Fig. 4's dense half: each model's dense counterpart swept over the same blocks. `quick`
@@ -335,8 +367,8 @@ def fig45(
     machine = collect(expert_storage(), keep_probe=True)
     per_model = {}
     for model in models:
-        folder = registry.resolve(model)
-        tok = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        folder = _folder(model, folders)
+        tok = load_tokenizer(folder)
         ids = [render_prompt(tok, p["prompt"]) for p in prompts.load(limit=per_suite)]
         target = build_model(folder, "flash", gguf_path=expert_file_for(model, folder, "q4_0", log=log))
         starts = SWEEP_STARTS[:1] if quick else SWEEP_STARTS
@@ -442,7 +474,14 @@ def regime(
 
 
 def table5(
-    results_dir: Path, log, per_suite: int, tokens: int, quick: bool = False, models: tuple[str, ...] = TINY_MODELS
+    results_dir: Path,
+    log,
+    per_suite: int,
+    tokens: int,
+    quick: bool = False,
+    models: tuple[str, ...] = TINY_MODELS,
+    folders: dict[str, Path] | None = None,
+    **teacher,
 ) -> list[str]:
     """Table 5 from the committed draft-expert checkpoints of each tiny model (`bench distill-eval`);
     `bench distill --model <m> --preset <p>` retrains any of them."""
@@ -450,14 +489,22 @@ def table5(
     written = []
     recs = [p for s in ("chat", "gsm8k", "mbpp", "summarization", "ifeval") for p in prompts.load(s, per_suite)]
     for model in models:
-        folder = registry.resolve(model)
+        folder = _folder(model, folders)
         if bd.find_draft_experts(model, folder, "full") is None:
             log(f"Table 5 skipped for {model}: no distilled draft experts (bench distill --model {model})")
             continue
         try:
             res = bd.distill_eval(
-                model, folder, bd.PRESET_ORDER, recs, tokens, 256, log, held_out=4 if quick else bd.EVAL_WINDOWS
-            )  # quick: a smoke run
+                model,
+                folder,
+                bd.PRESET_ORDER,
+                recs,
+                tokens,
+                256,
+                log,
+                held_out=4 if quick else bd.EVAL_WINDOWS,  # quick: a smoke run
+                **teacher,
+            )
         except FileNotFoundError as e:  # the held-out text is the corpus's validation split
             log(f"Table 5 skipped: {e}")
             return written

