@@ -293,6 +293,17 @@ def plan(
     intermediate: Annotated[
         int | None, typer.Option("--intermediate", min=1, help="--distill: I_d (default: the routed experts')")
     ] = None,
+    reproduce: Annotated[
+        bool,
+        typer.Option(
+            "--reproduce",
+            help="Plan `bench reproduce --model M` instead: every step's memory, disk and estimated time "
+            "(--platform cg | mn | both; --distill-steps, --seq-len, --batch-size the recipe's).",
+        ),
+    ] = False,
+    distill_steps: Annotated[
+        int | None, typer.Option("--distill-steps", min=1, help="--reproduce: steps per preset")
+    ] = None,
     as_json: JsonOpt = False,
 ):
     """Where a model's bytes go on a platform, from its config alone (no weights needed), as the
@@ -302,6 +313,10 @@ def plan(
     from draftexpert.runtime.params import plan as make_plan
 
     check_model(model)
+    if reproduce:
+        _plan_reproduce(model, model_path, platform, cuda, host_mem, gpu_mem, distill_steps, seq_len, batch_size,
+                        dtype, as_json)  # fmt: skip
+        return
     if platform not in ("mn", "cg", "resident"):
         fail(f"--platform: {platform!r} is not one of mn, cg, resident")
     try:
@@ -1773,6 +1788,50 @@ def distill_cmd(
     emit(r, as_json, f"{r['out']}: {r['steps']} steps, {r['tokens']:,} tokens, {r['train_seconds']:.0f} s")
 
 
+def _plan_reproduce(model, model_path, platform, cuda, host_mem, gpu_mem, distill_steps, seq_len, batch_size, dtype,
+                    as_json):  # fmt: skip
+    """`bench plan --reproduce`: every step of `bench reproduce --model M` against the given (or this)
+    machine; exit 1 naming the first step that does not fit."""
+    import shutil
+
+    from bench.runs.telemetry import collect, expert_storage
+    from bench.steps.compare import measured_read_bw
+    from bench.steps.reproduce_model import REAL_MODELS, plan_text, reproduce_plan
+    from draftexpert.runtime.params import available_host_bytes
+
+    if model not in REAL_MODELS:
+        fail(f"--reproduce: plans a real model ({', '.join(REAL_MODELS)}); the embedded ones fit anywhere")
+    platforms, _ = _real_platforms(platform, "cuda" if cuda is not False else "cpu")
+    device = "cpu" if cuda is False else "cuda"
+    try:
+        cfg = registry.config_facts(model, model_path)
+        folder = registry.resolve(model, model_path) if registry.is_present(model, model_path) else None
+    except registry.ModelNotFound as e:
+        fail(str(e))
+    gpu = _bytes(gpu_mem, "--gpu-mem") if gpu_mem else None
+    if device == "cuda" and gpu is None:
+        import torch
+
+        gpu = torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else None
+    read_bw = measured_read_bw(collect(expert_storage(), keep_probe=True))
+    p = reproduce_plan(
+        model,
+        cfg,
+        platforms,
+        device,
+        _bytes(host_mem, "--host-mem") if host_mem else available_host_bytes(),
+        gpu,
+        shutil.disk_usage(expert_storage()).free,
+        read_bw,
+        _recipe(distill_steps, seq_len if seq_len != 256 else None, batch_size if batch_size != 8 else None, None),
+        dtype=dtype,
+        folder=folder,
+    )
+    emit(p, as_json, plan_text(p))
+    if p["refused"]:
+        raise typer.Exit(1)
+
+
 def _plan_distill(
     p: dict,
     cfg: dict,
@@ -1887,25 +1946,69 @@ def distill_eval_cmd(
 
 @app.command("reproduce")
 def reproduce_cmd(
-    results_dir: Annotated[Path, typer.Option("--results", help="Where results are written.")] = REPO_ROOT / "results",
+    results_dir: Annotated[
+        Path | None,
+        typer.Option(
+            "--results", help="Where results are written (default: results/, a real model's results/<model>/)."
+        ),
+    ] = None,
     per_suite: Annotated[int, typer.Option("--per-suite", min=1, help="Prompts per suite in the decoding runs.")] = 2,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", min=2)] = 64,
     models: Annotated[
         list[str] | None,
         typer.Option(
             "--model",
-            help="A tiny model the per-model steps run on (repeatable; default: "
-            "ds-tiny and ml-tiny). Fig. 1b and the regime sweep are ds-tiny's.",
+            help="The model the per-model steps run on: ds-tiny / ml-tiny (repeatable; default both; Fig. 1b "
+            "and the regime sweep are ds-tiny's), or one real model, ds or ml (every table and figure on it, "
+            "into results/<model>/).",
         ),
     ] = None,
+    model_path: ModelPathOpt = None,
+    platform: Annotated[str, typer.Option("--platform", help="A real model: cg | mn | both.")] = "both",
+    device: Annotated[
+        str | None, typer.Option("--device", help="A real model's cg accelerator: cuda | cpu (default: cuda if seen).")
+    ] = None,
+    gpu_mem: Annotated[
+        str | None,
+        typer.Option("--gpu-mem", help="A real model: cap the GPU torch may use, e.g. 24GiB (the paper's card)."),
+    ] = None,
+    host_mem: Annotated[
+        str | None, typer.Option("--host-mem", help="A real model: plan for this host memory (default: available).")
+    ] = None,
+    distill_steps: Annotated[
+        int | None,
+        typer.Option("--distill-steps", min=1, help="A real model: steps per preset (default: the recipe's)."),
+    ] = None,
+    seq_len: Annotated[int | None, typer.Option("--seq-len", min=8, help="A real model: distillation window.")] = None,
+    batch_size: Annotated[int | None, typer.Option("--batch-size", min=1, help="A real model: windows a step.")] = None,
+    held_out: Annotated[int | None, typer.Option("--held-out", min=1, help="A real model: validation windows.")] = None,
+    threads: Annotated[int, typer.Option("--threads", min=1, help="A real model: torch threads.")] = 1,
     as_json: JsonOpt = False,
 ):
-    """Regenerate every table and figure this checkout can produce (what `make reproduce` runs)."""
+    """Regenerate every table and figure this checkout can produce (what `make reproduce` runs); with
+    `--model ds|ml`, every one of them on that real model, from its weights, resumable step by step."""
     from bench.steps.reproduce import TINY_MODELS, reproduce
+    from bench.steps.reproduce_model import REAL_MODELS
 
-    bad = [m for m in models or () if m not in TINY_MODELS]
+    chosen = list(models or ())
+    real = [m for m in chosen if m in REAL_MODELS]
+    bad = [m for m in chosen if m not in TINY_MODELS and m not in REAL_MODELS]
     if bad:
-        raise typer.BadParameter(f"{', '.join(bad)}: reproduce runs on {', '.join(TINY_MODELS)}", param_hint="--model")
+        raise typer.BadParameter(
+            f"{', '.join(bad)}: reproduce runs on {', '.join(TINY_MODELS)} or one of {', '.join(REAL_MODELS)}",
+            param_hint="--model",
+        )
+    if real:
+        if len(chosen) > 1:
+            raise typer.BadParameter("a real model is reproduced alone (one --model ds or ml)", param_hint="--model")
+        _reproduce_real(
+            real[0], model_path, results_dir, platform, device, gpu_mem, host_mem, per_suite, max_new_tokens,
+            distill_steps, seq_len, batch_size, held_out, threads, as_json,
+        )  # fmt: skip
+        return
+    if model_path:
+        fail("--model-path: only with a real model (--model ds or ml); the embedded models are in models/")
+    results_dir = results_dir or REPO_ROOT / "results"
     with _resumable(results_dir):
         summary = reproduce(
             results_dir,
@@ -1921,6 +2024,79 @@ def reproduce_cmd(
         + "\n  ".join(summary["written"])
         + "\nnot yet reproducible (capability pending):\n  "
         + "\n  ".join(f"{p['result']} — needs {p['needs']}" for p in summary["pending"]),
+    )
+
+
+def _recipe(distill_steps, seq_len, batch_size, held_out):
+    from dataclasses import replace
+
+    from bench.steps.reproduce_model import RECIPE
+
+    given = {"steps": distill_steps, "seq_len": seq_len, "batch_size": batch_size, "held_out": held_out}
+    return replace(RECIPE, **{k: v for k, v in given.items() if v is not None})
+
+
+def _real_platforms(platform: str, device: str | None) -> tuple[tuple[str, ...], str]:
+    from bench.steps.reproduce_model import PLATFORMS
+
+    if platform not in PLATFORMS:
+        fail(f"--platform: {platform!r} is not one of {', '.join(PLATFORMS)}")
+    if device is None:
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device not in ("cuda", "cpu"):
+        fail(f"--device: {device!r} is not one of cuda, cpu")
+    return PLATFORMS[platform], device
+
+
+def _reproduce_real(
+    model, model_path, results_dir, platform, device, gpu_mem, host_mem, per_suite, tokens,
+    distill_steps, seq_len, batch_size, held_out, threads, as_json,
+):  # fmt: skip
+    """`bench reproduce --model ds|ml`: every step on the real model (bench.steps.reproduce_model)."""
+    from bench.steps.reproduce_model import ReproduceError, reproduce_model
+    from draftexpert.runtime.params import WontFit
+    from draftexpert.training.distill import DistillError
+
+    folder = resolve_or_fail(model, model_path)
+    platforms, device = _real_platforms(platform, device)
+    results_dir = results_dir or REPO_ROOT / "results" / model
+    with _resumable(results_dir):
+        try:
+            summary = reproduce_model(
+                model,
+                folder,
+                results_dir,
+                platforms,
+                device,
+                per_suite,
+                tokens,
+                _recipe(distill_steps, seq_len, batch_size, held_out),
+                threads,
+                gpu_mem=_bytes(gpu_mem, "--gpu-mem") if gpu_mem else None,
+                host_mem=_bytes(host_mem, "--host-mem") if host_mem else None,
+                log=log,
+            )
+        except (ReproduceError, DistillError) as e:
+            fail(str(e), code=1)
+        except WontFit as e:
+            fail(str(e), code=1)
+    unequal = [k for k, ok in summary["tokens_equal_ar"].items() if not ok]
+    emit(
+        summary,
+        as_json,
+        "written:\n  "
+        + "\n  ".join(summary["written"])
+        + "\nsteps (wall s, host peak GiB):\n  "
+        + "\n  ".join(
+            f"{k:22s}{v['seconds']:8.1f}  {v['host_peak_bytes'] / 2**30:6.2f}" for k, v in summary["steps"].items()
+        )
+        + (
+            f"\ntokens equal AR in every cell ({len(summary['tokens_equal_ar'])})"
+            if not unequal
+            else "\ntokens differ from AR: " + ", ".join(unequal)
+        ),
     )
 
 

@@ -204,14 +204,16 @@ def _machine_id(results_dir: Path) -> str:
     return json.loads(path.read_text()).get("machine_id", "?") if path.exists() else "?"
 
 
-def fig2(results_dir: Path, log, models: tuple[str, ...] = TINY_MODELS) -> list[str]:
-    """Fig. 2 from the torch-engine comparisons `spec_compare` wrote (results/spec_compare_*_mn.json)."""
+def fig2(results_dir: Path, log, models: tuple[str, ...] = TINY_MODELS, platform: str = "mn") -> list[str]:
+    """Fig. 2 from the torch-engine comparisons `spec_compare` wrote (results/spec_compare_*_<platform>.json)."""
     per_model, runs = {}, []
     for model in models:
-        path = results_dir / f"spec_compare_{model}_mn.json"
+        path = results_dir / f"spec_compare_{model}_{platform}.json"
+        if not path.exists():  # cg on the CPU as the accelerator
+            path = results_dir / f"spec_compare_{model}_{platform}_cpu.json"
         res = json.loads(path.read_text())
         per_model[model] = paper_figs.fig2.points(res)
-        runs.append(f"results/runs/compare-{model}-mn")
+        runs.append(f"results/runs/compare-{model}-{platform}")
     machine = _machine_id(results_dir)
     (results_dir / "fig2_tradeoff.md").write_text(
         captions.fig2_page({m: paper_figs.fig2.table(p) for m, p in per_model.items()}, runs)
@@ -481,6 +483,8 @@ def table5(
     quick: bool = False,
     models: tuple[str, ...] = TINY_MODELS,
     folders: dict[str, Path] | None = None,
+    held_out: int | None = None,
+    seq_len: int = 256,
     **teacher,
 ) -> list[str]:
     """Table 5 from the committed draft-expert checkpoints of each tiny model (`bench distill-eval`);
@@ -500,9 +504,9 @@ def table5(
                 bd.PRESET_ORDER,
                 recs,
                 tokens,
-                256,
+                seq_len,
                 log,
-                held_out=4 if quick else bd.EVAL_WINDOWS,  # quick: a smoke run
+                held_out=held_out or (4 if quick else bd.EVAL_WINDOWS),  # quick: a smoke run
                 **teacher,
             )
         except FileNotFoundError as e:  # the held-out text is the corpus's validation split
