@@ -116,10 +116,18 @@ def fig45_page(model: str, curves: dict, prompts: int, starts: list[int], thread
 
 def table5_page(res: dict, model: str, per_suite: int, tokens: int, report: str) -> str:
     """Table 5 for one model (`bench distill-eval`), `report` its formatted table."""
+    t = res.get("teacher") or {"kind": "transformers"}
+    where = (
+        "the target as one transformers model, decoding on a cold host store"
+        if t["kind"] == "transformers"
+        else f"the target through the offload runtime on {t['platform']}"
+        + (f" ({t['expert_type']} expert file)" if t["platform"] == "mn" else f" ({t['device']})")
+        + ", which decodes too"
+    )
     return (
         f"{model}: held-out validation windows ({res['held_out_windows']} × {res['seq_len']} tokens) and "
         f"{res['prompts']} prompts ({per_suite} per suite, {tokens} new tokens), DraftExpert at K = 4, greedy, "
-        "no truncation, prefetch on, cold host store.\n\n" + report + "\n"
+        f"no truncation, prefetch on; {where}.\n\n" + report + "\n"
     )
 
 

@@ -25,6 +25,7 @@ def save(fig, out_stem: Path, source: str | None = None) -> list[Path]:
         fig.text(0.005, 0.005, f"data: {source}", fontsize=6, color="0.35", ha="left", va="bottom")
     fig.tight_layout(rect=(0, 0.03 if source else 0, 1, 0.95 if fig._suptitle else 1))
     out = [out_stem.with_suffix(".png"), out_stem.with_suffix(".pdf")]
+    out_stem.parent.mkdir(parents=True, exist_ok=True)
     for p in out:
         fig.savefig(p, dpi=150)
     plt.close(fig)

@@ -379,9 +379,11 @@ class Steps:
     def __init__(self, results_dir: Path, log):
         self.path, self.log = results_dir / "STEPS.json", log
         self.done = json.loads(self.path.read_text()) if self.path.exists() else {}
+        self.order: list[str] = []  # this run's steps, in order
 
     def run(self, name: str, key: dict, fn) -> list[str]:
         k = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:12]
+        self.order.append(name)
         if self.done.get(name, {}).get("key") == k:
             self.log(f"[{name}] done already ({self.done[name]['seconds']:.0f} s), kept")
             return self.done[name]["written"]
@@ -577,6 +579,7 @@ def reproduce_model(
         ),
     )
     done += rp.table1(results_dir, log)
+    done = [_where(results_dir, w) for w in done]
     summary = {
         "model": model,
         "folder": str(folder),
@@ -584,14 +587,23 @@ def reproduce_model(
         "platforms": list(platforms),
         "device": device,
         "written": done,
-        "steps": {
-            k: {x: v[x] for x in ("seconds", "host_peak_bytes", "gpu_peak_bytes", "finished")}
-            for k, v in steps.done.items()
+        "steps": {  # in the order they ran
+            k: {x: steps.done[k][x] for x in ("seconds", "host_peak_bytes", "gpu_peak_bytes", "finished")}
+            for k in steps.order
         },
         "tokens_equal_ar": tokens_equal_ar(results_dir),
     }
     write_json_atomic(results_dir / "REPRODUCE.json", summary)
     return summary
+
+
+def _where(results_dir: Path, written: str) -> str:
+    """A step's file as the reproduction wrote it (the embedded steps name theirs under results/)."""
+    for prefix in ("results/", f"{results_dir.name}/"):
+        if written.startswith(prefix):
+            path = results_dir / written[len(prefix) :]
+            return str(path.relative_to(registry.REPO_ROOT)) if path.is_relative_to(registry.REPO_ROOT) else str(path)
+    return written
 
 
 def tokens_equal_ar(results_dir: Path) -> dict[str, bool]:

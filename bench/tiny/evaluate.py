@@ -189,6 +189,10 @@ def repetition(model, tokenizer, max_new_tokens: int = 64, per_suite: int = REPE
 
 
 def load_split(data_dir: Path, split: str) -> np.ndarray:
+    """A split's token ids: `<split>.bin` (uint16) or `<split>.u32.bin` (a vocabulary past 65,535)."""
+    wide = data_dir / f"{split}.u32.bin"
+    if wide.exists():
+        return np.memmap(wide, dtype=np.uint32, mode="r")
     path = data_dir / f"{split}.bin"
     if not path.exists():
         raise FileNotFoundError(f"{path} is missing: run `bench data corpus` then `bench data tokenize`")

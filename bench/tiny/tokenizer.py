@@ -58,16 +58,26 @@ def train_tokenizer(texts: Iterator[str], out_dir: Path, vocab_size: int = VOCAB
     return fast
 
 
+def token_dtype(tokenizer) -> type:
+    """uint16 ids where the vocabulary allows (the embedded models'), uint32 beyond (DS-V2-Lite's
+    102,400, Moonlight's 163,840): `split_file` names the wide files apart."""
+    return np.uint16 if len(tokenizer) <= 65535 else np.uint32
+
+
+def split_file(data_dir: Path, split: str, dtype=np.uint16) -> Path:
+    return data_dir / (f"{split}.bin" if dtype == np.uint16 else f"{split}.u32.bin")
+
+
 def encode_documents(tokenizer, texts: list[str], batch: int = 256) -> np.ndarray:
-    """uint16 token stream: BOS doc EOS BOS doc EOS …"""
-    assert len(tokenizer) <= 65535
+    """Token stream (`token_dtype`): BOS doc EOS BOS doc EOS …"""
+    dtype = token_dtype(tokenizer)
     bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
     chunks: list[np.ndarray] = []
     for i in range(0, len(texts), batch):
         enc = tokenizer(texts[i : i + batch], add_special_tokens=False)["input_ids"]
         for ids in enc:
-            chunks.append(np.asarray([bos, *ids, eos], dtype=np.uint16))
-    return np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.uint16)
+            chunks.append(np.asarray([bos, *ids, eos], dtype=dtype))
+    return np.concatenate(chunks) if chunks else np.zeros(0, dtype=dtype)
 
 
 def prepare(corpus_dir: Path, data_dir: Path, log=print, tokenizer_dir: Path | None = None):
@@ -99,13 +109,21 @@ def prepare(corpus_dir: Path, data_dir: Path, log=print, tokenizer_dir: Path | N
 
 def token_data_for(model_dir: Path, corpus_dir: Path, data_dir: Path, log=print) -> Path:
     """Token files of the corpus in `model_dir`'s tokenizer: `data_dir` when its tokenizer is the
-    same file, else an encoding cached in `data_dir/by-tokenizer/<sha>/`."""
-    digest = hashlib.sha256((model_dir / "tokenizer.json").read_bytes()).hexdigest()[:16]
+    same file, else an encoding cached in `data_dir/by-tokenizer/<sha>/` (keyed by the tokenizer's
+    files: tokenizer.json, or a tiktoken.model with its tokenizer_config.json)."""
+    if (model_dir / "tokenizer.json").exists():
+        digest = _file_digest(model_dir / "tokenizer.json")
+    else:  # a tiktoken tokenizer (Moonlight)
+        h = hashlib.sha256()
+        for name in ("tiktoken.model", "tokenizer_config.json"):
+            if (model_dir / name).exists():
+                h.update(name.encode() + (model_dir / name).read_bytes())
+        digest = h.hexdigest()[:16]
     own = data_dir / "tokenizer" / "tokenizer.json"
-    if own.exists() and hashlib.sha256(own.read_bytes()).hexdigest()[:16] == digest and (data_dir / "val.bin").exists():
+    if own.exists() and _file_digest(own) == digest and (data_dir / "val.bin").exists():
         return data_dir
     out = data_dir / "by-tokenizer" / digest
-    if (out / "val.bin").exists() and (out / "train.bin").exists():
+    if all(any(split_file(out, s, d).exists() for d in (np.uint16, np.uint32)) for s in ("train", "val")):
         return out
     if not (corpus_dir / "val.jsonl").exists():
         raise FileNotFoundError(
@@ -117,7 +135,13 @@ def token_data_for(model_dir: Path, corpus_dir: Path, data_dir: Path, log=print)
     for split in ("train", "val"):
         with open(corpus_dir / f"{split}.jsonl", encoding="utf-8") as f:
             docs = [json.loads(line)["text"] for line in f]
-        encode_documents(tok, docs).tofile(out / f"{split}.bin.part")
-        (out / f"{split}.bin.part").rename(out / f"{split}.bin")
-        log(f"encoded {split} with {model_dir}/tokenizer.json")
+        ids = encode_documents(tok, docs)
+        path = split_file(out, split, ids.dtype)
+        ids.tofile(path.with_suffix(".part"))
+        path.with_suffix(".part").rename(path)
+        log(f"encoded {split} with {model_dir}'s tokenizer ({ids.dtype})")
     return out
+
+
+def _file_digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
