@@ -1983,6 +1983,14 @@ def reproduce_cmd(
     batch_size: Annotated[int | None, typer.Option("--batch-size", min=1, help="A real model: windows a step.")] = None,
     held_out: Annotated[int | None, typer.Option("--held-out", min=1, help="A real model: validation windows.")] = None,
     threads: Annotated[int, typer.Option("--threads", min=1, help="A real model: torch threads.")] = 1,
+    dtype: Annotated[
+        str,
+        typer.Option(
+            "--dtype",
+            help="A real model's cg compute: fp32 (tokens equal AR's) | bf16 (the paper's CG dtype: a near-tie "
+            "can make a verify pass and a one-token step differ)",
+        ),
+    ] = "fp32",
     as_json: JsonOpt = False,
 ):
     """Regenerate every table and figure this checkout can produce (what `make reproduce` runs); with
@@ -2003,7 +2011,7 @@ def reproduce_cmd(
             raise typer.BadParameter("a real model is reproduced alone (one --model ds or ml)", param_hint="--model")
         _reproduce_real(
             real[0], model_path, results_dir, platform, device, gpu_mem, host_mem, per_suite, max_new_tokens,
-            distill_steps, seq_len, batch_size, held_out, threads, as_json,
+            distill_steps, seq_len, batch_size, held_out, threads, dtype, as_json,
         )  # fmt: skip
         return
     if model_path:
@@ -2052,7 +2060,7 @@ def _real_platforms(platform: str, device: str | None) -> tuple[tuple[str, ...],
 
 def _reproduce_real(
     model, model_path, results_dir, platform, device, gpu_mem, host_mem, per_suite, tokens,
-    distill_steps, seq_len, batch_size, held_out, threads, as_json,
+    distill_steps, seq_len, batch_size, held_out, threads, dtype, as_json,
 ):  # fmt: skip
     """`bench reproduce --model ds|ml`: every step on the real model (bench.steps.reproduce_model)."""
     from bench.steps.reproduce_model import ReproduceError, reproduce_model
@@ -2061,6 +2069,8 @@ def _reproduce_real(
 
     folder = resolve_or_fail(model, model_path)
     platforms, device = _real_platforms(platform, device)
+    if dtype not in ("fp32", "bf16"):
+        fail(f"--dtype: {dtype!r} is not one of fp32, bf16")
     results_dir = results_dir or REPO_ROOT / "results" / model
     with _resumable(results_dir):
         try:
@@ -2076,6 +2086,7 @@ def _reproduce_real(
                 threads,
                 gpu_mem=_bytes(gpu_mem, "--gpu-mem") if gpu_mem else None,
                 host_mem=_bytes(host_mem, "--host-mem") if host_mem else None,
+                dtype=dtype,
                 log=log,
             )
         except (ReproduceError, DistillError) as e:

@@ -172,9 +172,12 @@ def test_a_staging_the_engine_lacks_is_refused_by_name(tmp_path):
 
 
 def test_reproduce_names_a_model_it_cannot_run(tmp_path):
-    p = run_bench("reproduce", "--results", str(tmp_path), "--model", "ds")
-    assert p.returncode == 2 and "--model" in p.stderr and "ds-tiny" in p.stderr
-    assert not any(tmp_path.iterdir())  # refused before writing anything
+    p = run_bench("reproduce", "--results", str(tmp_path), "--model", "qq")
+    assert p.returncode == 2 and "--model" in p.stderr and "ds-tiny" in p.stderr and "ml" in p.stderr
+    # a real model that is not here: where it was looked for and how to get it, before anything is written
+    p = run_bench("reproduce", "--results", str(tmp_path), "--model", "ds", env={"DRAFTEXPERT_MODELS": str(tmp_path)})
+    assert p.returncode == 2 and "was not found" in p.stderr and "hf download" in p.stderr
+    assert not any(tmp_path.iterdir())
 
 
 @pytest.mark.parametrize("staging", ["demand", "odirect"])

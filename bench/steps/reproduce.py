@@ -75,6 +75,7 @@ def fig1b_runs(
     folders: dict[str, Path] | None = None,
     cells_to_run: list[tuple[str, str]] | None = None,
     device: str | None = None,
+    dtype: str = "fp32",
 ) -> list[str]:
     """AR-offload runs for Fig. 1b (resumable: finished prompts are skipped), then the figure;
     `cells_to_run` (platform, expert type) default FIG1B_CELLS; `device` cg's accelerator."""
@@ -92,6 +93,7 @@ def fig1b_runs(
             expert_type=qtype,
             max_new_tokens=tokens,
             device=(device or available_device(platform)) if platform == "cg" else available_device(platform),
+            **({"dtype": dtype} if platform == "cg" else {}),
         )
         decoder, tok, cfg = make_decoder(cell, folder, lambda qt: expert_file_for(model, folder, qt, log=log))
         name = f"fig1b-{model}-{platform}" + (f"-{qtype}" if platform == "mn" else "")
@@ -123,6 +125,7 @@ def _compare_set(
     platform: str = "mn",
     device: str | None = None,
     folders: dict[str, Path] | None = None,
+    dtype: str = "fp32",
 ) -> dict:
     """One `bench compare` set for a tiny model on mn (Q4_0, the library's default round settings; resumable),
     its per-prompt tokens dropped from the result; `platform` cg moves the checkpoint's experts from
@@ -139,6 +142,7 @@ def _compare_set(
             expert_type="q4_0",
             max_new_tokens=tokens,
             device=device,
+            **({"dtype": dtype} if platform == "cg" else {}),
         ),
         folder,
         prompts.load(limit=per_suite),
@@ -163,6 +167,7 @@ def spec_compare(
     platform: str = "mn",
     device: str | None = None,
     folders: dict[str, Path] | None = None,
+    dtype: str = "fp32",
 ) -> list[str]:
     """Table 2 / 3: AR vs top-1/2/3 vs DraftExpert for each tiny model (resumable). mn: Q4_0, on the
     torch engine or llama.cpp (the same prompts, expert file and method settings); cg: the checkpoint's
@@ -184,6 +189,7 @@ def spec_compare(
             platform=platform,
             device=device,
             folders=folders,
+            dtype=dtype,
         )
         name = f"spec_compare_{model}_{platform}{tag}"
         write_json_atomic(results_dir / f"{name}.json", res)

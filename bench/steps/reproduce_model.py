@@ -148,14 +148,14 @@ def reproduce_plan(
     dbytes = {"fp32": 4, "bf16": 2}[dtype]
     b = breakdown(cfg).summary()
     n_prompts = 6 * per_suite
-    pm = plan(cfg, "mn", False, dbytes, "q4_0", positions=5, draft_intermediate=cfg["moe_intermediate_size"])
+    pm = plan(cfg, "mn", False, 4, "q4_0", positions=5, draft_intermediate=cfg["moe_intermediate_size"])
     pc = plan(cfg, "cg", cuda, dbytes, "q4_0", positions=5, draft_intermediate=cfg["moe_intermediate_size"])
-    bf16_file = plan(cfg, "mn", False, dbytes, "bf16")["storage"]
+    bf16_file = plan(cfg, "mn", False, 4, "bf16")["storage"]
     # bytes a decoded token moves cold: the active routed experts (top-k of every MoE layer) + the rest once read
     moe_layers = cfg["num_hidden_layers"] - cfg["first_k_dense_replace"]
     per_token_q4 = moe_layers * cfg["num_experts_per_tok"] * b["routed_expert_mib_q4_0"] * 2**20
     per_token_bf16 = per_token_q4 * b["routed_expert_mib_bf16"] / b["routed_expert_mib_q4_0"]
-    h2d = 25e9  # PCIe 4.0 ×16, nominal (the paper's CG host): no cg run measured it here
+    h2d = 25e9  # PCIe 4.0 ×16, nominal (the paper's 4090 host; an H200's host store measured 48.3 GB/s)
     rows = []
 
     def row(step, what, host_b, gpu_b, disk_b, seconds, basis):
@@ -205,7 +205,10 @@ def reproduce_plan(
             d["distill_accelerator"],
             ckpt_bytes,
             recipe.steps * step_s if step_s else None,
-            "measured s/step on this machine" if measured else est + " (three passes over the experts a window)",
+            "measured s/step on this machine"
+            if measured
+            else est.replace("storage read rate", "rate (cg: PCIe 4.0 ×16 nominal, 25 GB/s)")
+            + " (three passes over the experts a window)",
         )
     for platform in platforms:
         p = pm if platform == "mn" else pc
@@ -426,6 +429,7 @@ def reproduce_model(
     threads: int = 1,
     gpu_mem: int | None = None,
     host_mem: int | None = None,
+    dtype: str = "fp32",
     log=print,
 ) -> dict:
     """Every step for a real model (or a checkpoint of its shape), resumable; returns the summary
@@ -457,6 +461,7 @@ def reproduce_model(
         recipe,
         per_suite,
         tokens,
+        dtype=dtype,
         folder=folder,
     )
     write_json_atomic(results_dir / "plan.json", p)
@@ -517,7 +522,9 @@ def reproduce_model(
             tag = platform + ("-llama.cpp" if engine == "llama.cpp" else "")
             done += steps.run(
                 f"table2-{tag}",
-                base | {"engine": engine, "device": cg_device if platform == "cg" else None},
+                base
+                | {"engine": engine, "device": cg_device if platform == "cg" else None}
+                | ({"dtype": dtype} if platform == "cg" and dtype != "fp32" else {}),
                 lambda platform=platform, engine=engine: rp.spec_compare(
                     results_dir,
                     log,
@@ -528,6 +535,7 @@ def reproduce_model(
                     platform=platform,
                     device=cg_device if platform == "cg" else None,
                     folders=folders,
+                    dtype=dtype,
                 ),
             )
     first = "mn" if "mn" in platforms else "cg"
@@ -555,9 +563,17 @@ def reproduce_model(
     cells = [c for c in rp.FIG1B_CELLS if c[0] in platforms]
     done += steps.run(
         "fig1b",
-        base | {"cells": cells, "device": cg_device},
+        base | {"cells": cells, "device": cg_device} | ({"dtype": dtype} if dtype != "fp32" else {}),
         lambda: rp.fig1b_runs(
-            results_dir, log, per_suite, tokens, model=model, folders=folders, cells_to_run=cells, device=cg_device
+            results_dir,
+            log,
+            per_suite,
+            tokens,
+            model=model,
+            folders=folders,
+            cells_to_run=cells,
+            device=cg_device,
+            dtype=dtype,
         ),
     )
     done += steps.run(

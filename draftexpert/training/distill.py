@@ -56,6 +56,9 @@ class DistillError(ValueError):
     """A draft-expert checkpoint that does not belong to this target, or a bad preset."""
 
 
+CHECKPOINT_SECONDS = 180  # and every `checkpoint_every` steps: a slow step (a 16B target) still saves every few minutes
+
+
 @dataclass
 class DistillConfig:
     preset: str = "full"
@@ -578,7 +581,7 @@ def train(
     bar = None
     if progress:
         bar = tqdm(total=steps, initial=start, desc=f"distill {cfg.preset}", unit="step")
-    t_run = time.perf_counter()
+    t_run = t_saved = time.perf_counter()
     for step in range(start, steps):
         t0 = time.perf_counter()
         for g in opt.param_groups:
@@ -610,7 +613,9 @@ def train(
         if bar:
             bar.update(1)
             bar.set_postfix(loss=f"{rec['loss']:.4f}")
-        if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == steps:
+        due = (step + 1) % cfg.checkpoint_every == 0 or time.perf_counter() - t_saved > CHECKPOINT_SECONDS
+        if due or step + 1 == steps:
+            t_saved = time.perf_counter()
             state_path.parent.mkdir(parents=True, exist_ok=True)
             tmp = state_path.with_suffix(".part")
             torch.save(
