@@ -1906,6 +1906,18 @@ def distill_eval_cmd(
             "--out`; repeatable.",
         ),
     ] = None,
+    teacher: Annotated[
+        str,
+        typer.Option(
+            "--teacher",
+            help="auto (transformers for the embedded models, runtime for real ones) | transformers | runtime "
+            "(the target through the offload runtime over --platform's store, as `bench distill`)",
+        ),
+    ] = "auto",
+    platform: Annotated[str, typer.Option("--platform", help="runtime teacher: mn | cg")] = "mn",
+    expert_type: ExpertTypeOpt = "q4_0",
+    device: Annotated[str, typer.Option("--device", help="runtime teacher: cpu | cuda (cg)")] = "cpu",
+    held_out: Annotated[int, typer.Option("--held-out", min=1, help="Validation windows (KL, agreement).")] = 32,
     as_json: JsonOpt = False,
 ):
     """Table 5: per preset, KL(target‖draft) and token / router agreement on held-out text, and
@@ -1915,8 +1927,11 @@ def distill_eval_cmd(
 
     from bench.steps import distill as bd
     from bench.suites import prompts
+    from draftexpert.runtime.params import WontFit
     from draftexpert.training.distill import PRESETS, DistillError
 
+    if device not in ("cpu", "cuda") or (device == "cuda" and (platform != "cg" or not torch.cuda.is_available())):
+        fail(f"--device {device}: cpu, or cuda with --platform cg and a CUDA GPU")
     bad = [p for p in preset or [] if p not in PRESETS]
     if bad:
         fail(f"--preset: unknown {', '.join(bad)}; known: {', '.join(PRESETS)}")
@@ -1932,9 +1947,23 @@ def distill_eval_cmd(
     recs = [p for s in suites for p in prompts.load(s, limit)]
     try:
         r = bd.distill_eval(
-            model, folder, preset or ([] if files else bd.PRESET_ORDER), recs, max_new_tokens, seq_len, log, files=files
+            model,
+            folder,
+            preset or ([] if files else bd.PRESET_ORDER),
+            recs,
+            max_new_tokens,
+            seq_len,
+            log,
+            held_out=held_out,
+            files=files,
+            teacher=teacher,
+            platform=platform,
+            expert_type=expert_type,
+            device=device,
         )
-    except (DistillError, FileNotFoundError) as e:
+    except WontFit as e:
+        fail(str(e), code=1)
+    except (DistillError, FileNotFoundError, ValueError) as e:
         fail(str(e))
     if card:
         d = bd.experts_dir(model, folder)

@@ -240,3 +240,13 @@ def test_tiktoken_tokenizer_encodes_as_tiktoken(tmp_path):
     (folder / "tiktoken.model").write_text("not base64 at all\n")
     with pytest.raises(CheckpointError, match="tiktoken.model:1"):
         load_tokenizer(folder)
+
+
+def test_distill_eval_plans_before_loading(tmp_path):
+    """Table 5 on DS-V2-Lite through the whole transformers model (fp32: ~63 GB) is refused before
+    anything loads; a real model's default is the runtime teacher (`bench distill`'s)."""
+    folder = tmp_path / "ds"
+    folder.mkdir()
+    (folder / "config.json").write_text((registry.FACTS_DIR / "ds.json").read_text())  # no weights needed
+    r = run_bench("distill-eval", "--model", "ds", "--model-path", str(folder), "--teacher", "transformers")
+    assert r.returncode == 1 and "transformers teacher needs" in r.stderr and "--teacher runtime" in r.stderr

@@ -218,6 +218,10 @@ def distill_eval(
     kind = teacher_kind(model, teacher)
     if platform not in ("mn", "cg"):
         raise ValueError(f"--platform: {platform!r} is not one of mn, cg (where the runtime teacher's experts live)")
+    moe_inter = json.loads((folder / "config.json").read_text())["moe_intermediate_size"]
+    # before anything loads: the transformers teacher holds the whole model in fp32 (refused for a 16B one)
+    check_plan(folder, DistillConfig(seq_len=seq_len, batch_size=4, intermediate=moe_inter), kind, platform,
+               expert_type, device)  # fmt: skip
     tok = load_tokenizer(folder)
     _, val_data = token_splits(folder, log)
     windows = eval_windows(val_data, held_out, seq_len)
@@ -228,9 +232,6 @@ def distill_eval(
         target = TransformersTeacher(hf)
         lean = build_model(folder, "host")
     else:
-        moe_inter = json.loads((folder / "config.json").read_text())["moe_intermediate_size"]
-        check_plan(folder, DistillConfig(seq_len=seq_len, batch_size=4, intermediate=moe_inter), kind, platform,
-                   expert_type, device)  # fmt: skip
         target = make_teacher(model, folder, kind, platform, expert_type, device, log)
         lean = target.model
     layers = target.moe_layers
