@@ -1813,7 +1813,8 @@ def _plan_reproduce(model, model_path, platform, cuda, host_mem, gpu_mem, distil
         import torch
 
         gpu = torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else None
-    read_bw = measured_read_bw(collect(expert_storage(), keep_probe=True))
+    machine = collect(expert_storage(), keep_probe=True)
+    read_bw = measured_read_bw(machine)
     p = reproduce_plan(
         model,
         cfg,
@@ -1826,6 +1827,7 @@ def _plan_reproduce(model, model_path, platform, cuda, host_mem, gpu_mem, distil
         _recipe(distill_steps, seq_len if seq_len != 256 else None, batch_size if batch_size != 8 else None, None),
         dtype=dtype,
         folder=folder,
+        copy_in=machine.get("copy_in") if device == "cpu" or gpu_mem is None else None,  # another card: nominal
     )
     emit(p, as_json, plan_text(p))
     if p["refused"]:

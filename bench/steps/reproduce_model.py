@@ -141,9 +141,12 @@ def reproduce_plan(
     dtype: str = "fp32",
     folder: Path | None = None,
     headroom: float = 0.9,
+    copy_in: dict | None = None,
 ) -> dict:
     """Every step's memory (host, GPU), disk and estimated time, from the config alone (no weights
-    needed), and the first step that does not fit (`refused`, with why)."""
+    needed), and the first step that does not fit (`refused`, with why). `copy_in`: `bench env`'s
+    copy-in rates (the GPU's from pinned memory when measured, else PCIe 4.0 ×16's nominal 25 GB/s,
+    the paper's card; the CPU as the accelerator: its memcpy rate)."""
     cuda = device == "cuda"
     dbytes = {"fp32": 4, "bf16": 2}[dtype]
     b = breakdown(cfg).summary()
@@ -155,7 +158,13 @@ def reproduce_plan(
     moe_layers = cfg["num_hidden_layers"] - cfg["first_k_dense_replace"]
     per_token_q4 = moe_layers * cfg["num_experts_per_tok"] * b["routed_expert_mib_q4_0"] * 2**20
     per_token_bf16 = per_token_q4 * b["routed_expert_mib_bf16"] / b["routed_expert_mib_q4_0"]
-    h2d = 25e9  # PCIe 4.0 ×16, nominal (the paper's 4090 host; an H200's host store measured 48.3 GB/s)
+    copy_in = copy_in or {}
+    if cuda:
+        measured_h2d = copy_in.get("cuda_pinned_gb_per_s")
+        h2d, h2d_basis = (measured_h2d * 1e9, "measured") if measured_h2d else (25e9, "PCIe 4.0 ×16 nominal")
+    else:
+        cpu_copy = copy_in.get("cpu_gb_per_s")
+        h2d, h2d_basis = (cpu_copy * 1e9, "measured memcpy") if cpu_copy else (None, "unmeasured")
     rows = []
 
     def row(step, what, host_b, gpu_b, disk_b, seconds, basis):
@@ -192,7 +201,7 @@ def reproduce_plan(
     # a step streams every MoE layer's experts about three times per window (target pass, draft pass,
     # the backward's top-1 recompute): a long window touches nearly every expert of a layer
     window_bytes = 3 * (b["routed_gib_q4_0"] if teacher_platform == "mn" else b["routed_gib_bf16"]) * GIB
-    rate = (h2d if teacher_platform == "cg" and cuda else rb) or None
+    rate = (h2d if teacher_platform == "cg" else rb) or None
     step_s = measured or (recipe.batch_size * window_bytes / rate if rate else None)
     # the draft experts in fp32 (the checkpoint) and the resumable state (them, AdamW's two moments)
     ckpt_bytes = 16 * moe_layers * 3 * cfg["hidden_size"] * inter
@@ -207,12 +216,12 @@ def reproduce_plan(
             recipe.steps * step_s if step_s else None,
             "measured s/step on this machine"
             if measured
-            else est.replace("storage read rate", "rate (cg: PCIe 4.0 ×16 nominal, 25 GB/s)")
+            else est.replace("storage read rate", f"rate (cg: {h2d_basis} {(h2d or 0) / 1e9:.1f} GB/s)")
             + " (three passes over the experts a window)",
         )
     for platform in platforms:
         p = pm if platform == "mn" else pc
-        per_tok, bw = (per_token_q4, rb) if platform == "mn" else (per_token_bf16, h2d if cuda else None)
+        per_tok, bw = (per_token_q4, rb) if platform == "mn" else (per_token_bf16, h2d)
         decode = n_prompts * tokens * per_tok / bw if bw else None
         engines = ["torch"] + (["llama.cpp"] if platform == "mn" else [])
         for engine in engines:
@@ -246,21 +255,24 @@ def reproduce_plan(
             5 * n_prompts * tokens * per_token_q4 / rb if rb else None,
             est,
         )
-        dense = (
-            b["total"] - b["routed_experts"] + moe_layers * cfg["num_experts_per_tok"] * b["routed_expert_params_each"]
-        ) * 2  # noqa: E501
+        k, n_exp = cfg["num_experts_per_tok"], cfg["n_routed_experts"]
+        dense = (b["total"] - b["routed_experts"] + moe_layers * k * b["routed_expert_params_each"]) * 2  # bf16
+        # cold blocks of L = 1…8 at 3 starts: a block touches ~min(E, k·L) experts a layer; the dense
+        # counterpart k "experts" a layer whatever L
+        expert_q4 = b["routed_expert_mib_q4_0"] * 2**20
+        sweep = sum(min(n_exp, k * n) for n in range(1, 9)) + 8 * k
         row(
             "fig45",
             "Figs. 4–5: verify blocks, the MoE and its dense counterpart",
             pm["host_least"],
             0,
             dense,
-            None,
-            "not estimated",
+            n_prompts * 3 * sweep * moe_layers * expert_q4 / rb if rb else None,
+            est,
         )
     # s/token of Fig. 1b's cells: mn Q4_0 and bf16 from storage, cg bf16 over PCIe
     fig1b_cells = ([(per_token_q4, rb), (per_token_bf16, rb)] if "mn" in platforms else []) + (
-        [(per_token_bf16, h2d if cuda else None)] if "cg" in platforms else []
+        [(per_token_bf16, h2d)] if "cg" in platforms else []
     )
     fig1b_per_token = None if any(bw is None for _, bw in fig1b_cells) else sum(b / bw for b, bw in fig1b_cells)
     row(
@@ -303,6 +315,7 @@ def reproduce_plan(
         "recipe": asdict(recipe),
         "available": {"host": host, "gpu": gpu if cuda else None, "disk": disk_free},
         "read_bw": read_bw,
+        "copy_bw": {"bytes_per_s": h2d, "basis": h2d_basis},
         "steps": rows,
         "disk_total": disk_total,
         "seconds_total": sum(r["seconds"] or 0 for r in rows),
@@ -461,6 +474,7 @@ def reproduce_model(
         recipe,
         per_suite,
         tokens,
+        copy_in=machine.get("copy_in"),
         dtype=dtype,
         folder=folder,
     )
