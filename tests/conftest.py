@@ -6,12 +6,15 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import traceback
 from pathlib import Path
 
 import pytest
 import torch
 from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+from typer.testing import CliRunner
 
+from bench.cli import app
 from bench.tiny.tokenizer import train_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -21,6 +24,17 @@ BENCH = [sys.executable, "-m", "bench.cli"]
 def run_bench(*args, env=None, **kw):
     e = dict(os.environ, **(env or {}))
     return subprocess.run([*BENCH, *args], cwd=REPO, capture_output=True, text=True, env=e, **kw)
+
+
+def bench_inproc(*args, env=None):
+    """`bench ARGS` in this process (typer's runner): for refusals, which end before anything loads —
+    no interpreter start-up (~4 s a call). An uncaught exception reads as a traceback on stderr, as in
+    a subprocess. Commands whose modules read the environment at import time need `run_bench`."""
+    r = CliRunner().invoke(app, [str(a) for a in args], env=env)
+    stderr = r.stderr
+    if r.exception is not None and not isinstance(r.exception, SystemExit):
+        stderr += "Traceback (most recent call last):\n" + "".join(traceback.format_exception(r.exception))
+    return subprocess.CompletedProcess(args, r.exit_code, r.stdout, stderr)
 
 
 @pytest.fixture(scope="session")

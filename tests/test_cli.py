@@ -4,7 +4,7 @@ import pytest
 
 from bench.steps.reproduce import spec_compare
 from bench.steps.speed import ENGINE_CELLS
-from tests.conftest import REPO, run_bench
+from tests.conftest import REPO, bench_inproc, run_bench
 
 
 def test_help_lists_commands():
@@ -150,7 +150,7 @@ def test_reproduce_cg_rows_put_the_resident_bound_and_the_copy_in_limit_beside_a
 
 def test_a_staging_the_engine_lacks_is_refused_by_name(tmp_path):
     for engine, staging in (("torch", "pagefault"), ("llama.cpp", "odirect")):
-        p = run_bench(
+        p = bench_inproc(
             "run",
             "--model",
             "ds-tiny",
@@ -172,10 +172,12 @@ def test_a_staging_the_engine_lacks_is_refused_by_name(tmp_path):
 
 
 def test_reproduce_names_a_model_it_cannot_run(tmp_path):
-    p = run_bench("reproduce", "--results", str(tmp_path), "--model", "qq")
+    p = bench_inproc("reproduce", "--results", str(tmp_path), "--model", "qq")
     assert p.returncode == 2 and "--model" in p.stderr and "ds-tiny" in p.stderr and "ml" in p.stderr
     # a real model that is not here: where it was looked for and how to get it, before anything is written
-    p = run_bench("reproduce", "--results", str(tmp_path), "--model", "ds", env={"DRAFTEXPERT_MODELS": str(tmp_path)})
+    p = bench_inproc(
+        "reproduce", "--results", str(tmp_path), "--model", "ds", env={"DRAFTEXPERT_MODELS": str(tmp_path)}
+    )
     assert p.returncode == 2 and "was not found" in p.stderr and "hf download" in p.stderr
     assert not any(tmp_path.iterdir())
 

@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 
 from bench.cells import registry
-from tests.conftest import run_bench
+from tests.conftest import bench_inproc, run_bench
 
 
 @pytest.fixture
@@ -73,7 +73,7 @@ def test_cli_wrong_or_missing_model_path_exits_nonzero_and_writes_nothing(empty_
         (tmp_path / "nonexistent", "does not exist"),
         (registry.EMBEDDED_DIR / "ml-tiny", "not 'ds-tiny'"),
     ]:
-        p = run_bench(
+        p = bench_inproc(
             "run",
             "--model",
             "ds-tiny",
@@ -100,7 +100,7 @@ def test_models_lists_a_foreign_folder_only_under_its_own_name(empty_env):
 
 
 def test_cli_missing_model_exits_nonzero_without_traceback(empty_env):
-    p = run_bench("run", "--model", "ml", "--limit", "1", env=empty_env)
+    p = bench_inproc("run", "--model", "ml", "--limit", "1", env=empty_env)
     assert p.returncode == 2
     assert "Traceback" not in p.stderr
     assert "Moonlight-16B-A3B" in p.stderr and "hf download moonshotai/Moonlight-16B-A3B" in p.stderr
@@ -108,7 +108,7 @@ def test_cli_missing_model_exits_nonzero_without_traceback(empty_env):
 
 
 def test_cli_unknown_model_names_the_flag():
-    p = run_bench("params", "--model", "gpt2")
+    p = bench_inproc("params", "--model", "gpt2")
     assert p.returncode == 2 and "--model" in p.stderr and "ds-tiny" in p.stderr
 
 

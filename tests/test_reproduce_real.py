@@ -18,7 +18,7 @@ from bench.cells import registry
 from bench.steps.reproduce_model import RECIPE, reproduce_plan
 from draftexpert.runtime.checkpoint import MOONSHOT_PATTERN, CheckpointError, load_tokenizer, read_tiktoken_ranks
 from draftexpert.runtime.params import GIB
-from tests.conftest import BENCH, REPO, run_bench
+from tests.conftest import BENCH, REPO, bench_inproc, run_bench
 from tests.shaped import texts, write_shaped
 
 SMALL_RUN = ["--device", "cpu", "--per-suite", "1", "--max-new-tokens", "8", "--seq-len", "16", "--batch-size", "1",
@@ -168,7 +168,7 @@ def test_a_shaped_checkpoint_is_refused_unless_told(tmp_path, monkeypatch):
     (folder / "config.json").write_text(json.dumps(cfg | {"n_routed_experts": 8}))  # another routing: still refused
     with pytest.raises(registry.ModelMismatch, match="n_routed_experts 8"):
         registry.resolve("ds", folder)
-    r = run_bench("reproduce", "--model", "ds", "--model-path", str(folder), env={registry.SHAPED_ENV: ""})
+    r = bench_inproc("reproduce", "--model", "ds", "--model-path", folder, env={registry.SHAPED_ENV: ""})
     assert r.returncode != 0 and "is not 'ds'" in r.stderr
 
 
@@ -180,13 +180,13 @@ def test_reproduce_refuses_without_distillation_data(tmp_path):
                   *SMALL_RUN, env=env)  # fmt: skip
     assert r.returncode == 1 and "bench data corpus" in r.stderr and "distillation data" in r.stderr
     assert not (tmp_path / "r" / "STEPS.json").exists()  # nothing ran
-    r = run_bench("reproduce", "--model", "ds", "--model", "ds-tiny")
+    r = bench_inproc("reproduce", "--model", "ds", "--model", "ds-tiny")
     assert r.returncode == 2 and "alone" in r.stderr
 
 
 def test_plan_reproduce_on_the_paper_machine():
     """The paper's CG machine fits every step; 16 GiB of host refuses naming the step."""
-    r = run_bench("plan", "--model", "ds", "--reproduce", "--platform", "cg", "--gpu-mem", "24GiB",
+    r = bench_inproc("plan", "--model", "ds", "--reproduce", "--platform", "cg", "--gpu-mem", "24GiB",
                   "--host-mem", "64GiB", "--json")  # fmt: skip
     assert r.returncode == 0, r.stderr
     p = json.loads(r.stdout)
@@ -196,7 +196,7 @@ def test_plan_reproduce_on_the_paper_machine():
     for s in p["steps"][1:]:
         assert s["host"] > 0 and s["time_basis"], s
     assert all(s["seconds"] for s in p["steps"] if s["step"].startswith("distill"))  # PCIe-bound on cg
-    r = run_bench("plan", "--model", "ds", "--reproduce", "--platform", "cg", "--gpu-mem", "24GiB",
+    r = bench_inproc("plan", "--model", "ds", "--reproduce", "--platform", "cg", "--gpu-mem", "24GiB",
                   "--host-mem", "16GiB")  # fmt: skip
     assert r.returncode == 1 and "does not fit: distill-residual needs" in r.stdout
 
@@ -248,5 +248,5 @@ def test_distill_eval_plans_before_loading(tmp_path):
     folder = tmp_path / "ds"
     folder.mkdir()
     (folder / "config.json").write_text((registry.FACTS_DIR / "ds.json").read_text())  # no weights needed
-    r = run_bench("distill-eval", "--model", "ds", "--model-path", str(folder), "--teacher", "transformers")
+    r = bench_inproc("distill-eval", "--model", "ds", "--model-path", folder, "--teacher", "transformers")
     assert r.returncode == 1 and "transformers teacher needs" in r.stderr and "--teacher runtime" in r.stderr

@@ -15,7 +15,7 @@ from draftexpert.engines.reference import ReferenceDecoder
 from draftexpert.runtime.checkpoint import load_target
 from draftexpert.runtime.experts import STAGING
 from draftexpert.runtime.gguf_experts import ExpertFile
-from tests.conftest import BENCH, REPO, run_bench
+from tests.conftest import BENCH, REPO, bench_inproc, run_bench
 
 
 def _run_args(ckpt, out, limit=2, method="ar", tokens=4):
@@ -151,19 +151,19 @@ def test_reference_decoder_equals_transformers_generate(tiny_checkpoint):
 
 
 def test_bad_method_and_suite_name_the_flag(tiny_checkpoint):
-    p = run_bench("run", "--model-path", str(tiny_checkpoint), "--method", "medusa")
+    p = bench_inproc("run", "--model-path", str(tiny_checkpoint), "--method", "medusa")
     assert p.returncode == 2 and "--method" in p.stderr
-    p = run_bench("run", "--model-path", str(tiny_checkpoint), "--platform", "gpu")
+    p = bench_inproc("run", "--model-path", str(tiny_checkpoint), "--platform", "gpu")
     assert p.returncode == 2 and "--platform" in p.stderr
-    p = run_bench("run", "--model-path", str(tiny_checkpoint), "--expert-type", "q8_0")
+    p = bench_inproc("run", "--model-path", str(tiny_checkpoint), "--expert-type", "q8_0")
     assert p.returncode == 2 and "--expert-type" in p.stderr
-    p = run_bench("run", "--model-path", str(tiny_checkpoint), "--suite", "trivia")
+    p = bench_inproc("run", "--model-path", str(tiny_checkpoint), "--suite", "trivia")
     assert p.returncode == 2 and "--suite" in p.stderr
-    p = run_bench("run", "--model-path", str(tiny_checkpoint), "--method", "top-r", "--r", "2")  # target is top-2
+    p = bench_inproc("run", "--model-path", str(tiny_checkpoint), "--method", "top-r", "--r", "2")  # target is top-2
     assert p.returncode == 2 and "--r" in p.stderr and "top-k (2)" in p.stderr
-    p = run_bench("run", "--model-path", str(tiny_checkpoint), "--method", "draftexpert", "--draft-cache", "both")
+    p = bench_inproc("run", "--model-path", str(tiny_checkpoint), "--method", "draftexpert", "--draft-cache", "both")
     assert p.returncode == 2 and "--draft-cache" in p.stderr
-    p = run_bench("compare", "--model-path", str(tiny_checkpoint), "--method", "top-9")
+    p = bench_inproc("compare", "--model-path", str(tiny_checkpoint), "--method", "top-9")
     assert p.returncode == 2 and "--method" in p.stderr
 
 
