@@ -430,7 +430,7 @@ def regime(
     (the kernel's block-I/O throttle; root), on both engines, then the speed-up-vs-bandwidth
     figure. Skipped, with the reason, where the cap cannot be applied. `quick` (a reproduce run
     below the default prompt count) sweeps only the extremes, the lowest cap and uncapped, on the
-    first two prompts."""
+    first prompt."""
     torch.set_num_threads(FIG1B_THREADS)
     folder = registry.resolve(REGIME_MODEL)
     experts = expert_file_for(REGIME_MODEL, folder, "q4_0", log=log)
@@ -455,7 +455,7 @@ def regime(
                 max_new_tokens=tokens,
             ),
             folder,
-            recs[:2] if quick else recs,
+            recs[:1] if quick else recs,
             results_dir / "runs" / f"regime-{REGIME_MODEL}-mn{tag}",
             lambda qt: expert_file_for(REGIME_MODEL, folder, qt, log=log),
             machine,
