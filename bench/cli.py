@@ -820,6 +820,14 @@ def run(
     draft_cache: Annotated[
         str, typer.Option("--draft-cache", help="shared (drafter reads the target's KV cache) | own (its own cache)")
     ] = SPEC.draft_cache,
+    controller: Annotated[
+        str,
+        typer.Option(
+            "--controller",
+            help="paper (Eq. 14: τ, B) | cost (each draft token and each round priced from the measured costs; "
+            "an AR step when drafting does not pay)",
+        ),
+    ] = SPEC.controller,
     draft_experts: DraftExpertsOpt = None,
     compile: CompileOpt = False,
     engine: EngineOpt = "torch",
@@ -879,6 +887,7 @@ def run(
         truncate=truncate,
         prefetch=prefetch,
         draft_cache=draft_cache,
+        controller=controller,
         draft_experts=draft_experts,
     )
     folder = resolve_or_fail(model, model_path)

@@ -190,6 +190,8 @@ CONFIGS = [  # (drafter, r, SpecConfig)
     ("draftexpert", 1, SpecConfig(k_max=4)),
     ("draftexpert", 1, SpecConfig(k_max=8, tau=0.9, budget=2)),
     ("draftexpert", 1, SpecConfig(k_max=3, tau=0.9, budget=2, budget_mode="cache", prefetch=False)),
+    ("draftexpert", 1, SpecConfig(k_max=4, controller="cost")),  # priced: K (0 included) from measured costs
+    ("top-r", 2, SpecConfig(k_max=8, controller="cost", prefetch=False)),
 ]
 
 

@@ -22,6 +22,7 @@ from draftexpert.runtime.loader import build_model, convert_experts
 from draftexpert.runtime.model import KVCache, from_hf_model
 from draftexpert.speculation.drafters import DraftExperts, DraftPath, draftexpert, top_r
 from draftexpert.speculation.round import SpecConfig, SpeculativeDecoder
+from tests.test_controller import priced
 
 # Weights large enough (initializer_range 0.3) that routed experts move the logits: a drafter that
 # drops experts then disagrees with the target often (top-1 acceptance ~0.5, checked below).
@@ -440,3 +441,26 @@ def test_compiled_step_with_the_ggml_kernel_is_exact(ggml_models, odirect_dir):
     ar.generate(long, 8)
     assert counters["frames"]["ok"] == compiled_frames
     compiled.experts.close()
+
+
+@pytest.mark.parametrize("store", ["host", "flash"])
+@pytest.mark.parametrize("name", ["top-1", "de-random"])
+def test_cost_controller_is_exact_whatever_it_decides(models, store, name):
+    """Calibrating on its own measurements, then priced so that every round is an AR step, then so
+    that every round drafts to K_max: greedy tokens equal AR's throughout."""
+    model = models[1][store]
+    model.experts.capacity = 0
+    model.experts.cache.clear()
+    dec = speculative(model, drafter(model, name), SpecConfig(k_max=4, controller="cost"))
+    for seed in range(3):
+        ids = prompt(seed, 8)
+        assert dec.generate(ids, 24).tokens == ar_tokens(model, ids)
+    ar = priced(load_s=1.0, draft_s=1.0, verify_s=1e-3, accept=0.01)
+    dec.ctl.costs, dec.ctl.acc = ar.costs, ar.acc
+    ids = prompt(7, 8)
+    out = dec.generate(ids, 24)
+    assert out.tokens == ar_tokens(model, ids) and out.stats["cost_ar_rounds"] >= 10
+    free = priced(load_s=1e-9, draft_s=1e-9, verify_s=1.0, accept=0.99)
+    dec.ctl.costs, dec.ctl.acc = free.costs, free.acc
+    out = dec.generate(ids, 24)
+    assert out.tokens == ar_tokens(model, ids) and out.stats["cost_ar_rounds"] == 0 and out.stats["truncated"] == 0

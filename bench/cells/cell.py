@@ -22,7 +22,7 @@ from draftexpert.runtime.experts import STAGING as TORCH_STAGING
 from draftexpert.runtime.ggml_kernel import KERNELS
 from draftexpert.runtime.gguf_layout import TYPES
 from draftexpert.runtime.loader import HEAD_TYPES
-from draftexpert.speculation.config import BUDGET_MODES, DRAFT_CACHES, SpecConfig
+from draftexpert.speculation.config import BUDGET_MODES, CONTROLLERS, DRAFT_CACHES, SpecConfig
 from draftexpert.speculation.lookup import PLD_TOKENS, Lookup
 
 Method = Literal["ar", "reference", "top-r", "draftexpert", "pld"]
@@ -77,7 +77,11 @@ class SpecOptions:
         unknown = set(overrides) - ROUND_FIELDS
         if unknown:
             raise CellError(f"unknown speculation option(s): {', '.join(sorted(unknown))}")
-        for name, allowed in (("budget_mode", BUDGET_MODES), ("draft_cache", DRAFT_CACHES)):
+        for name, allowed in (
+            ("budget_mode", BUDGET_MODES),
+            ("draft_cache", DRAFT_CACHES),
+            ("controller", CONTROLLERS),
+        ):
             if name in overrides:
                 _choice(name, overrides[name], allowed)
         counts = (("k_max", overrides.get("k_max", 1)), *((k, v) for k, v in own.items() if k != "draft_experts"))
@@ -87,10 +91,13 @@ class SpecOptions:
         return replace(self, **own, round=replace(self.round, **overrides))
 
     def as_dict(self) -> dict:
+        rnd = asdict(self.round)
+        if rnd["controller"] == "paper":  # the default: cells measured before the cost controller keep their keys
+            del rnd["controller"]
         return {
             "r": self.r,
             "draft_experts": str(self.draft_experts) if self.draft_experts else None,
-            **asdict(self.round),
+            **rnd,
         }
 
     def lookup(self) -> Lookup:
@@ -353,7 +360,9 @@ class Rule:
     warn: bool = False
 
 
-SPEC_FLAGS = ("r", "k_max", "tau", "budget", "budget_mode", "truncate", "prefetch", "draft_cache", "draft_experts")
+SPEC_FLAGS = (
+    "r", "k_max", "tau", "budget", "budget_mode", "truncate", "prefetch", "draft_cache", "draft_experts", "controller",
+)  # fmt: skip
 PLD_FLAGS = ("pld_tokens", "pld_max_ngram")
 _offload = lambda c: c.method != "reference"  # noqa: E731 - the reference runs none of the offload options
 REFERENCE_WHY = "to --method reference (transformers' greedy decoding, every weight resident)"

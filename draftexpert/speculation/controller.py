@@ -24,3 +24,137 @@ def expansion(predicted: set[Key], kept: set[Key], resident: set[Key] | None = N
 def stop(confidence: float, delta: int, tau: float, budget: int) -> bool:
     """Eq. 14: stop before v_i when q_i < τ and Δ_i > B."""
     return confidence < tau and delta > budget
+
+
+# -- the cost controller: price each round from measured costs -----------------------------------
+
+
+class Ema:
+    """An exponential moving average that starts at its first observation (or `prior`)."""
+
+    def __init__(self, prior: float | None = None, weight: float = 0.1):
+        self.value, self.weight = prior, weight
+
+    def add(self, x: float) -> None:
+        self.value = x if self.value is None else (1 - self.weight) * self.value + self.weight * x
+
+
+class CostModel:
+    """What a round costs on this engine and storage, in seconds, from what the ledger measured:
+
+        round(k) = draft_s · forwards(k) + verify_s + position_s · k + load_s · loads(k)
+
+    a draft forward (`draft_s`); a verify pass's compute for its first position (`verify_s`) and each
+    further one (`position_s`); one layer-expert loaded for it (`load_s`: on demand or prefetched
+    alike — the storage moves each byte either way; no overlap with compute is credited, so the
+    estimate errs towards stopping). loads(k) = the kept block's new layer-experts × (1 + the
+    measured miss ratio: experts the verify pass needed that the draft router did not predict)."""
+
+    def __init__(self):
+        self.draft_s, self.verify_s, self.position_s = Ema(), Ema(), Ema(0.0)
+        self.load_s, self.miss_ratio = Ema(), Ema(0.0)
+        self.ar_loads = Ema()  # new layer-experts a one-position round needs (x_0's, unpredicted)
+
+    @property
+    def ready(self) -> bool:
+        return None not in (self.draft_s.value, self.verify_s.value, self.load_s.value, self.ar_loads.value)
+
+    def round_s(self, forwards: int, positions: int, new_experts: float) -> float:
+        loads = new_experts * (1 + self.miss_ratio.value)
+        return (
+            self.draft_s.value * forwards
+            + self.verify_s.value
+            + self.position_s.value * (positions - 1)
+            + self.load_s.value * loads
+        )
+
+    def ar_round_s(self) -> float:
+        return self.verify_s.value + self.load_s.value * self.ar_loads.value
+
+    def observe_verify(self, positions: int, wall_s: float, stall_s: float, loads: int) -> None:
+        compute = max(0.0, wall_s - stall_s)
+        if loads:
+            self.load_s.add(stall_s / loads)
+        if positions == 1:
+            self.verify_s.add(compute)
+            self.ar_loads.add(loads)
+        elif self.verify_s.value is not None:
+            self.position_s.add(max(0.0, (compute - self.verify_s.value) / (positions - 1)))
+        else:
+            self.verify_s.add(compute / positions)
+
+    def observe_draft(self, forwards: int, wall_s: float) -> None:
+        if forwards:
+            self.draft_s.add(wall_s / forwards)
+
+
+class Acceptance:
+    """Per-position acceptance, a_j = P(v_j accepted | v_1 … v_{j−1} accepted), counted over the
+    rounds seen (a Beta(1, 1) prior: 0.5 before any round)."""
+
+    def __init__(self, k_max: int):
+        self.trials, self.accepted = [0] * k_max, [0] * k_max
+
+    def add(self, drafted: int, accepted: int) -> None:
+        for j in range(min(drafted, accepted + 1)):  # v_j was judged iff every earlier one passed
+            self.trials[j] += 1
+            self.accepted[j] += j < accepted
+
+    def at(self, j: int) -> float:
+        """a_{j+1} (0-based j)."""
+        return (self.accepted[j] + 1) / (self.trials[j] + 2)
+
+    def expected_tokens(self, k: int) -> float:
+        """Tokens a round with k drafts emits on average: the accepted prefix and the target's own."""
+        e, p = 1.0, 1.0
+        for j in range(k):
+            p *= self.at(j)
+            e += p
+        return e
+
+
+class CostController:
+    """The stop rule by price (`--controller cost`): before appending v_i, the expected tokens per
+    second of stopping at i − 1 against the best of drafting on (to any k ≤ K_max, the positions not
+    yet drafted priced at the mean new experts a kept position added so far); and before a round,
+    whether drafting pays at all — K = 0 is an AR step (no draft forward). Until every cost has been
+    measured it drafts as the paper's rule would (the first rounds calibrate it); one round in
+    `explore` drafts even when AR is priced better, so a drafter that starts paying is noticed. The
+    verifier still decides every token: exactness does not depend on any of this."""
+
+    def __init__(self, k_max: int, explore: int = 16):
+        self.k_max, self.explore = k_max, explore
+        self.costs, self.acc = CostModel(), Acceptance(k_max)
+        self.new_per_position = Ema()  # new layer-experts a kept draft position adds
+        self.rounds = self.ar_rounds = 0
+
+    def rate(self, k: int, new_experts: float, look_ahead: bool) -> float:
+        forwards = k + 1 if look_ahead else max(k, 1)  # x_0's forward, and v_K's when prefetch / truncation read it
+        return self.acc.expected_tokens(k) / self.costs.round_s(forwards, k + 1, new_experts)
+
+    def best_rate_from(self, k: int, new_experts: float, look_ahead: bool) -> float:
+        """The best rate of drafting to any k' ≥ k, positions past k at the mean new experts."""
+        step = self.new_per_position.value or 0.0
+        return max(self.rate(j, new_experts + step * (j - k), look_ahead) for j in range(k, self.k_max + 1))
+
+    def draft_this_round(self, x0_new: float | None = None) -> bool:
+        """Whether to draft at all (else an AR step)."""
+        self.rounds += 1
+        if not self.costs.ready or self.rounds % self.explore == 0:
+            return True
+        x0 = self.costs.ar_loads.value if x0_new is None else x0_new
+        drafting = self.best_rate_from(1, x0 + (self.new_per_position.value or 0.0), look_ahead=True)
+        return drafting > 1.0 / self.costs.ar_round_s()
+
+    def keep(self, i: int, kept_new: float, candidate_new: float, look_ahead: bool) -> bool:
+        """Append v_i? `kept_new`: new layer-experts of x_0 … v_{i−1} (|Û_{i−1} − resident|), `candidate_new`:
+        with v_i kept too."""
+        if not self.costs.ready:
+            return True
+        return self.best_rate_from(i, candidate_new, look_ahead) > self.rate(i - 1, kept_new, look_ahead)
+
+    def observe(self, drafted: int, accepted: int, new_per_kept: list[int]) -> None:
+        """After a round: its acceptance, and the new experts each kept draft position added."""
+        self.acc.add(drafted, accepted)
+        for n in new_per_kept:
+            self.new_per_position.add(n)

@@ -52,7 +52,7 @@ import torch
 from draftexpert.decoding import DecodeOutput, Engine, Key, check_context, check_finite, probs, sample
 from draftexpert.metrics import RoundStats
 from draftexpert.speculation.config import SpecConfig
-from draftexpert.speculation.controller import expansion, stop
+from draftexpert.speculation.controller import CostController, expansion, stop
 from draftexpert.speculation.lookup import Lookup
 
 
@@ -69,6 +69,7 @@ class Draft:
     truncated: bool = False
     touched_at: list[int] = field(default_factory=list)  # |touched| when v_j was proposed (Fig. 3)
     prefetched: set[Key] = field(default_factory=set)
+    new_at: list[int] = field(default_factory=list)  # the cost controller: new layer-experts each kept v_j added
 
 
 def greedy_accept(draft_tokens: list[int], target_argmax: list[int]) -> tuple[list[int], int]:
@@ -102,6 +103,8 @@ class SpeculativeDecoder:
         self._vocab = 0
         self.name = engine.name
         self.trace = trace  # when a list: one dict per round (sets and tokens) for audits and tests
+        # the cost controller learns this engine's prices across prompts (`--controller cost`)
+        self.ctl = CostController(config.k_max) if config.controller == "cost" else None
 
     def close(self) -> None:
         self.engine.close()
@@ -118,11 +121,13 @@ class SpeculativeDecoder:
         """Propose up to k_limit tokens on the draft path (draft → truncate → prefetch)."""
         if self.lookup is not None:
             return self.lookup_draft(committed, k_limit)
-        cfg, eng = self.cfg, self.engine
-        look_ahead = cfg.truncate or cfg.prefetch  # they need Ê of every kept token, the last one included
+        cfg, eng, ctl = self.cfg, self.engine, self.ctl
+        # Ê of every kept token, the last one included: truncation, prefetch and the cost controller read it
+        look_ahead = cfg.truncate or cfg.prefetch or ctl is not None
         out = Draft()
         logits = self._draft_forward(committed[eng.draft_length :], out)  # consumes x_0 (and any pending)
         self._keep(out, eng.predicted())  # x_0 is verified whatever is drafted: never truncated
+        resident = eng.resident() if ctl is not None else set()
         for i in range(1, k_limit + 1):
             q = probs(logits, cfg.temperature)
             v = int(torch.multinomial(q, 1, generator=gen)) if cfg.temperature > 0 else int(q.argmax())
@@ -130,7 +135,14 @@ class SpeculativeDecoder:
             if i < k_limit or look_ahead:
                 logits = self._draft_forward([v], out)  # consumes v_i: its verify experts Ê_i
                 predicted = eng.predicted()
-                if cfg.truncate:
+                if ctl is not None:  # priced: the block's new layer-experts without and with v_i
+                    kept = len(out.predicted - resident)
+                    grown = len((out.predicted | predicted) - resident)
+                    if not ctl.keep(i, kept, grown, look_ahead):
+                        out.truncated = True
+                        break
+                    out.new_at.append(grown - kept)
+                elif cfg.truncate:
                     delta = expansion(predicted, out.predicted, eng.resident() if cfg.budget_mode == "cache" else None)
                     if stop(float(q[v]), delta, cfg.tau, cfg.budget):  # Eq. 14
                         out.truncated = True
@@ -164,6 +176,19 @@ class SpeculativeDecoder:
         if self.cfg.prefetch and new:
             out.prefetched |= self.engine.prefetch(new)
 
+    def _price(self, forwards, draft: Draft, accepted: int, prefetched_new: int, misses: int) -> None:
+        """The cost controller's observations of one round, from the ledger's forwards of it: the
+        draft forwards' wall time, the verify pass's compute, loads and their stall, the misses."""
+        ctl = self.ctl
+        drafts = [f for f in forwards if f.phase == "draft"]
+        ctl.costs.observe_draft(len(drafts), sum(f.wall_s for f in drafts))
+        for f in forwards:
+            if f.phase == "verify":
+                ctl.costs.observe_verify(f.tokens, f.wall_s, f.stall_s, f.loads + prefetched_new)
+        if prefetched_new:
+            ctl.costs.miss_ratio.add(misses / prefetched_new)
+        ctl.observe(len(draft.tokens), accepted, draft.new_at)
+
     def verify(self, committed: list[int], draft: list[int]) -> torch.Tensor:
         """Target logits [K+1, V] at [x_0, v_1 … v_K]; position j judges v_{j+1}."""
         return self.engine.verify(len(committed) - 1, committed[-1:] + draft)
@@ -194,10 +219,14 @@ class SpeculativeDecoder:
         stats = RoundStats(cfg.k_max)
         emitted_per_round: list[int] = []  # Spec-Bench's accept_lengths: tokens each round emitted
         prefetch_peak = 0  # the most bytes one round prefetched: the prefetch buffer it needs
+        cost_ar_rounds = 0  # rounds the cost controller made AR steps
         while len(tokens) < max_new_tokens and tokens[-1] != eos_token_id:
             k_limit = min(cfg.k_max, max_new_tokens - len(tokens) - 1)
+            if self.ctl is not None and k_limit > 0 and not self.ctl.draft_this_round():
+                k_limit, cost_ar_rounds = 0, cost_ar_rounds + 1  # priced: an AR step pays more here
             eng.begin_round()
             prefetched_before = eng.ledger.prefetch["bytes"]
+            first_forward = len(eng.ledger.forwards)
             draft = self.draft(committed, k_limit, gen) if k_limit > 0 else Draft()
             prefetch_peak = max(prefetch_peak, eng.ledger.prefetch["bytes"] - prefetched_before)
             resident = eng.resident() - draft.prefetched  # moved by the drafter, or cached
@@ -211,6 +240,14 @@ class SpeculativeDecoder:
                 emitted = emitted[: emitted.index(eos_token_id) + 1]
             emitted = emitted[: max_new_tokens - len(tokens)]
             stats.add(draft, min(accepted, len(emitted)), verify_unique=len(needed))
+            if self.ctl is not None:
+                self._price(
+                    eng.ledger.forwards[first_forward:],
+                    draft,
+                    accepted,
+                    len(pf - resident),
+                    len(needed - resident - pf),
+                )
             emitted_per_round.append(len(emitted))
             if self.trace is not None:
                 self.trace.append(
@@ -237,6 +274,7 @@ class SpeculativeDecoder:
                 **stats.counters(),
                 "accept_lengths": emitted_per_round,
                 "prefetch_peak_bytes": prefetch_peak,
+                **({"cost_ar_rounds": cost_ar_rounds} if self.ctl is not None else {}),
                 **eng.stats(),
             },
         )
