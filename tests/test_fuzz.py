@@ -15,6 +15,8 @@ def test_a_case_is_drawn_from_its_seed_and_index_alone():
     assert fz.replay_command(cases[5], 0) == "bench fuzz --engine torch --seed 0 --case 5"
     assert any(c.head_type == "q4_0" for c in cases)  # the torch engine's Q4_0 head, on the CPU platforms only
     assert all(c.head_type == "checkpoint" for c in cases if c.engine == "llama.cpp" or c.platform == "cg")
+    assert {c.controller for c in cases if c.method in ("top-r", "draftexpert")} == {"paper", "cost"}
+    assert all(c.controller == "paper" for c in cases if c.method in ("ar", "pld"))
 
 
 def test_the_check_catches_an_accept_rule_that_keeps_every_draft(monkeypatch, tmp_path):

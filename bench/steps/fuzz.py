@@ -8,7 +8,7 @@ truncation, prefetch, the drafter's KV cache, the accelerator cache, llama.cpp's
 (a suite prompt, or random token ids), the number of new tokens and — on the torch engine, which
 samples — the temperature and seed, and (drawn last, so that adding them left every other draw of
 a case as it was) the torch engine's head type on the CPU platforms, then whether a speculative
-case runs prompt lookup instead. Each decoder is built by `bench.cells.decoders.make_decoder`, the
+case runs prompt lookup instead, then whether a drafting one prices its rounds (`--controller cost`). Each decoder is built by `bench.cells.decoders.make_decoder`, the
 factory `bench run` uses.
 
 Plain decoding is AR with every expert resident on the same weights: the checkpoint's for the
@@ -73,6 +73,7 @@ class Case:
     head_type: str = "checkpoint"
     pld_tokens: int = PLD_TOKENS
     pld_max_ngram: int = Lookup.max_ngram
+    controller: str = SPEC.controller
 
 
 def draw(engine: str, seed: int, index: int) -> Case:
@@ -123,6 +124,8 @@ def draw(engine: str, seed: int, index: int) -> Case:
         c["head_type"] = "q4_0"  # MLPs and LM head on ggml's Q4_0 kernels (a CPU only)
     if method != "ar" and rng.random() < 0.25:  # drawn after the head type: every earlier draw stays
         c.update(method="pld", pld_tokens=rng.randint(1, 12), pld_max_ngram=rng.randint(1, 4))
+    if c["method"] in ("top-r", "draftexpert") and rng.random() < 0.3:  # drawn last: earlier draws stay
+        c["controller"] = "cost"
     return Case(**c)
 
 
@@ -205,6 +208,7 @@ class Campaign:
                 truncate=case.truncate,
                 prefetch=case.prefetch,
                 draft_cache=case.draft_cache,
+                controller=case.controller,
             ),
         )
         dec, tok, _ = self._decoder(case, case.method, case.platform, case.cache_experts, spec)
