@@ -29,6 +29,8 @@ PAPER_SPEEDUP = {p: paper.TABLE2[("ds", p)]["speedup"] for p in ("mn", "cg")}  #
 PAPER_MN_LOADING_SHARE = paper.MN_DS_OFFLOAD_SHARE  # Flash-staged vs resident AR
 TOP_R = ("top-1", "top-2", "top-3", "top-3-k8")
 DE_LONG = "draftexpert-k8"  # DraftExpert with K = 8 and no truncation (prefetch on)
+DE_COST = "draftexpert-cost"  # DraftExpert with the cost controller
+FIXED = ("top-1", "top-2", "top-3", "top-3-k8", "draftexpert", DE_LONG, "pld")  # the fixed settings of the sweep
 
 
 def rows(res: dict) -> list[dict]:
@@ -54,6 +56,8 @@ def rows(res: dict) -> list[dict]:
             "pld_speedup": m["pld"]["speedup"] if "pld" in m else None,
             "ar_cache_speedup": m["ar-cache"]["speedup"] if "ar-cache" in m else None,
             "de_vs_cache": m["draftexpert"].get("speedup_vs_cache"),
+            "de_cost_speedup": m[DE_COST]["speedup"] if DE_COST in m else None,
+            "best_fixed_speedup": max((m[x]["speedup"] for x in FIXED if x in m), default=None),
             "tokens_equal_ar": all(cell["tokens_equal_ar"].values()),
         }
         for label, key in (("ar", "ar"), ("draftexpert", "de")):
@@ -70,11 +74,14 @@ def table(res: dict) -> str:
         "DraftExpert: K_max = 4, τ = 0.6, B = 24, prefetch; DraftExpert K = 8: K_max = 8, no truncation, "
         "prefetch; best top-r: over r = 1, 2, 3 at K = 4 and r = 3 at K = 8, fixed K, no prefetch; pld: prompt "
         "lookup (training-free, not the paper's); AR-cache: AR with an LRU expert cache of DraftExpert's memory "
-        "beyond AR (draft experts + prefetch buffer), DE ×AR-cache: DraftExpert over it.",
+        "beyond AR (draft experts + prefetch buffer), DE ×AR-cache: DraftExpert over it; DE cost: DraftExpert "
+        "with the cost controller (`--controller cost`, not the paper's), ÷ best fixed: over the best of the "
+        "sweep's fixed settings (top-r, DraftExpert at K = 4 and 8, pld).",
         "",
         "| read cap | AR TPS | AR loading share | AR limit TPS | best top-r ×AR | DraftExpert ×AR | DE TPS | "
-        "DE limit TPS | DE α | DraftExpert K = 8 ×AR | pld ×AR | AR-cache ×AR | DE ×AR-cache | tokens equal AR |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "DE limit TPS | DE α | DraftExpert K = 8 ×AR | pld ×AR | AR-cache ×AR | DE ×AR-cache | DE cost ×AR | "
+        "÷ best fixed | tokens equal AR |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     f = lambda v, fmt: fmt.format(v) if v is not None else "–"  # noqa: E731
     for r in rows(res):
@@ -85,7 +92,8 @@ def table(res: dict) -> str:
             f"{f(r['de_speedup'], '{:.2f}')} | {r['de_tps']:.2f} | {f(r['de_limit_tps'], '{:.1f}')} | "
             f"{f(r['de_acceptance'], '{:.3f}')} | {f(r['de_long_speedup'], '{:.2f}')} | "
             f"{f(r['pld_speedup'], '{:.2f}')} | {f(r['ar_cache_speedup'], '{:.2f}')} | "
-            f"{f(r['de_vs_cache'], '{:.2f}')} | "
+            f"{f(r['de_vs_cache'], '{:.2f}')} | {f(r['de_cost_speedup'], '{:.2f}')} | "
+            f"{f(r['de_cost_speedup'] / r['best_fixed_speedup'] if r['de_cost_speedup'] else None, '{:.2f}')} | "
             f"{r['tokens_equal_ar']} |"
         )
     return "\n".join(lines) + "\n"

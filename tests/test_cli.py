@@ -59,6 +59,7 @@ def test_reproduce_writes_fig1a_and_lists_pending(tmp_path):
             "top-2",
             "top-3",
             "draftexpert",
+            "draftexpert-cost",
             "pld",
             "ar-cache",
         }
@@ -133,6 +134,7 @@ def test_reproduce_cg_rows_put_the_resident_bound_and_the_copy_in_limit_beside_a
         "top-2",
         "top-3",
         "draftexpert",
+        "draftexpert-cost",
         "pld",
         "ar-cache",
     }

@@ -38,6 +38,7 @@ METHODS = [
     ("top-2", "top-r", {"r": 2, "truncate": False, "prefetch": False}),
     ("top-3", "top-r", {"r": 3, "truncate": False, "prefetch": False}),
     ("draftexpert", "draftexpert", {}),
+    ("draftexpert-cost", "draftexpert", {"controller": "cost"}),  # the same drafter, rounds priced (not the paper's)
     ("pld", "pld", {}),  # prompt lookup: the training-free drafter (not the paper's)
     ("ar-cache", "ar", {EQUAL_MEMORY: True}),  # AR with an LRU expert cache of DraftExpert's extra memory
 ]

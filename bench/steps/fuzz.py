@@ -8,8 +8,8 @@ truncation, prefetch, the drafter's KV cache, the accelerator cache, llama.cpp's
 (a suite prompt, or random token ids), the number of new tokens and — on the torch engine, which
 samples — the temperature and seed, and (drawn last, so that adding them left every other draw of
 a case as it was) the torch engine's head type on the CPU platforms, then whether a speculative
-case runs prompt lookup instead, then whether a drafting one prices its rounds (`--controller cost`). Each decoder is built by `bench.cells.decoders.make_decoder`, the
-factory `bench run` uses.
+case runs prompt lookup instead, then whether a drafting one prices its rounds (`--controller cost`).
+Each decoder is built by `bench.cells.decoders.make_decoder`, the factory `bench run` uses.
 
 Plain decoding is AR with every expert resident on the same weights: the checkpoint's for the
 torch engine's resident and cg platforms, the expert file's (`expert_type`) for mn and for
