@@ -253,6 +253,8 @@ class Cell:
             return {}
         spec = self.spec
         round_args = {k: v for k, v in asdict(self.round_config()).items() if k in ROUND_FIELDS}
+        if round_args["controller"] == "paper":  # the default: cells measured before it keep their keys
+            del round_args["controller"]
         if self.engine == "llama.cpp":
             args = {
                 "expert_type": self.expert_type,
