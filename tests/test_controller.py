@@ -30,16 +30,35 @@ def test_expected_tokens_is_the_accepted_prefix_and_the_targets_own():
     assert a.at(0) == pytest.approx(99 / 101) and a.at(1) == pytest.approx(99 / 100)
 
 
-def test_uncalibrated_it_drafts_as_the_paper_would():
+def test_uncalibrated_it_drafts_as_the_paper_would_then_times_an_ar_step():
     c = CostController(4)
     assert c.draft_this_round() and c.keep(1, 30, 60, True)
+    c.costs.observe_draft(2, 2e-3)
+    c.costs.observe_verify(3, 5e-3, 2e-3, 40)  # a 3-position verify: no one-position round timed yet
+    assert not c.costs.ready and not c.draft_this_round()  # an AR step, to time one
+    c.costs.observe_verify(1, 3e-3, 1e-3, 20)
+    assert c.costs.ready and c.costs.ar_loads.value == 20
 
 
 def test_where_loading_dominates_and_drafts_miss_an_ar_step_pays():
     c = priced(load_s=1e-3, draft_s=1e-3, verify_s=1e-3, accept=0.3)
-    assert not c.draft_this_round()
-    c.rounds = c.explore - 1
-    assert c.draft_this_round()  # one round in `explore` drafts anyway: a drafter that starts paying is noticed
+    choices = [c.draft_this_round() for _ in range(1 + 16 + 1 + 32 + 1 + 64)]
+    # one round in `explore` drafts anyway (a drafter that starts paying is noticed); each exploration
+    # that finds AR still cheaper doubles the interval
+    assert [i for i, d in enumerate(choices) if d] == [16, 16 + 1 + 32, 16 + 1 + 32 + 1 + 64]
+    for _ in range(2000):
+        c.draft_this_round()
+    assert c.interval == c.explore_max
+
+
+def test_a_round_priced_for_drafting_resets_the_exploration_interval():
+    c = priced(load_s=1e-3, draft_s=1e-3, verify_s=1e-3, accept=0.3)
+    for _ in range(100):
+        c.draft_this_round()
+    assert c.interval > c.explore
+    c.acc.trials, c.acc.accepted = [1000] * 4, [990] * 4  # the drafter now passes almost always
+    c.costs.draft_s.value = 1e-5
+    assert c.draft_this_round() and c.interval == c.explore
 
 
 def test_where_compute_is_cheap_to_repeat_and_drafts_pass_it_drafts_to_k_max():

@@ -139,6 +139,12 @@ def build_info() -> dict[str, str]:
 
 
 # -- the model ----------------------------------------------------------------------------
+def file_mappings() -> set[int]:
+    """Start addresses of this process's file-backed mappings (/proc/self/maps)."""
+    with open("/proc/self/maps") as maps:
+        return {int(f[0].split("-")[0], 16) for f in (line.split() for line in maps) if len(f) >= 6}
+
+
 KV_TYPES = {"f32": 0, "f16": 1}  # ggml_type of the KV cache (llama.cpp's default: f16)
 
 
@@ -167,6 +173,7 @@ class LlamaModel:
         self._ggml = _ggml_lib(llama_cpp)
         self._callback = _EVAL_CALLBACK(self._on_tensor)  # kept referenced: llama.cpp holds the pointer
         overrides = {"deepseek2.expert_used_count": used_experts} if used_experts else None
+        before = file_mappings()
         with _default_params(llama_cpp, self._callback):  # Llama() has no argument for either
             try:
                 self.llm = llama_cpp.Llama(
@@ -184,6 +191,9 @@ class LlamaModel:
                 )
             except ValueError as e:
                 raise LlamaCppError(f"{head}: llama.cpp could not load this model ({e})") from e
+        # the mappings this model's load made (its expert split's among them): staging for one of its
+        # forwards maps pages into these only, not into another model's mapping of the same file
+        self.mappings = frozenset(file_mappings() - before)
 
     def _on_tensor(self, tensor, ask: bool, _user) -> bool:
         name = self._ggml.ggml_get_name(tensor).decode()
@@ -323,6 +333,7 @@ class ExpertPages:
         self._mappings: list[tuple[int, int, int]] | None = None
         self._spans: dict[tuple[int, int], list[tuple[int, int]]] | None = None  # `_index_pages`
         self._shared: dict[int, frozenset] = {}
+        self.populate_into: frozenset[int] | None = None  # start addresses `stage` maps into (None: every mapping)
 
     def ranges(self, layer: int, e: int) -> list[tuple[int, int]]:
         """(file offset, bytes) of expert e's gate_up and down slices (`ExpertFile.ranges`)."""
@@ -398,18 +409,20 @@ class ExpertPages:
     def stage(self, keys) -> None:
         """Bring the experts `keys` {(layer, e)} into the page cache whole, now: every range's
         readahead is issued first (all of them in flight together), then each is waited for by
-        mapping it into llama.cpp's mappings (MADV_POPULATE_READ: the page-table entries its
-        matmuls would otherwise fault in page by page after the wait; 0.2–0.4 ms/token on ds-tiny),
+        mapping it into the running model's mapping (`populate_into`; MADV_POPULATE_READ: the
+        page-table entries its matmuls would otherwise fault in page by page after the wait;
+        0.2–0.4 ms/token on ds-tiny; into the drafter's too, a verify pass paid for both),
         or, where the kernel lacks it (< 5.14) or no model maps the file, read through."""
         ranges = [r for layer, e in sorted(keys) for r in self.ranges(layer, e)]
         for off, n in ranges:
             os.posix_fadvise(self.fd, off, n, POSIX_FADV_WILLNEED)
         unwaited = ranges
-        if self._populate and self._mappings:
+        into = [m for m in self._mappings or () if self.populate_into is None or m[0] in self.populate_into]
+        if self._populate and into:
             unwaited = []
             for off, n in ranges:
                 first, mapped = off // PAGE * PAGE, False
-                for start, end, at in self._mappings:
+                for start, end, at in into:
                     if at <= first and off + n <= at + end - start:
                         if _libc.madvise(start + first - at, off + n - first, MADV_POPULATE_READ) != 0:
                             if ctypes.get_errno() != errno.EINVAL:
@@ -546,6 +559,10 @@ class LlamaEngine:
     def _forward(self, model: LlamaModel, tokens: list[int], phase: str) -> torch.Tensor:
         self._stall.clear()
         self._seen.clear()
+        # stage into the running model's mapping only (the other model's is populated when it runs);
+        # a model whose mapping of the split was not told apart from the others': into every mapping
+        mine = {m[0] for m in self.pages._mappings or ()} & model.mappings
+        self.pages.populate_into = frozenset(mine) if mine else None
         with self.ledger.forward(phase, len(tokens)):
             logits = model.eval(tokens).copy()  # llama.cpp's buffer is rewritten by later evals
             for layer, seen in sorted(self._seen.items()):

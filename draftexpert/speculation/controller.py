@@ -118,15 +118,19 @@ class CostController:
     second of stopping at i − 1 against the best of drafting on (to any k ≤ K_max, the positions not
     yet drafted priced at the mean new experts a kept position added so far); and before a round,
     whether drafting pays at all — K = 0 is an AR step (no draft forward). Until every cost has been
-    measured it drafts as the paper's rule would (the first rounds calibrate it); one round in
-    `explore` drafts even when AR is priced better, so a drafter that starts paying is noticed. The
-    verifier still decides every token: exactness does not depend on any of this."""
+    measured it calibrates: it drafts as the paper's rule would until a draft forward, a verify pass
+    and a load have been timed, then takes one AR step to time a one-position round. When AR is
+    priced better, one round in `explore` drafts anyway, so a drafter that starts paying is noticed;
+    each exploration that confirms AR doubles that interval (up to `explore_max`), and a round priced
+    for drafting resets it. The verifier still decides every token: exactness does not depend on any
+    of this."""
 
-    def __init__(self, k_max: int, explore: int = 16):
-        self.k_max, self.explore = k_max, explore
+    def __init__(self, k_max: int, explore: int = 16, explore_max: int = 256):
+        self.k_max, self.explore, self.explore_max = k_max, explore, explore_max
         self.costs, self.acc = CostModel(), Acceptance(k_max)
         self.new_per_position = Ema()  # new layer-experts a kept draft position adds
         self.rounds = self.ar_rounds = 0
+        self.interval, self.since_draft = explore, 0  # AR rounds between explorations, and since the last draft
 
     def rate(self, k: int, new_experts: float, look_ahead: bool) -> float:
         forwards = k + 1 if look_ahead else max(k, 1)  # x_0's forward, and v_K's when prefetch / truncation read it
@@ -140,8 +144,20 @@ class CostController:
     def draft_this_round(self, x0_new: float | None = None) -> bool:
         """Whether to draft at all (else an AR step)."""
         self.rounds += 1
-        if not self.costs.ready or self.rounds % self.explore == 0:
+        c = self.costs
+        if not c.ready:  # calibrating: time the drafted round first, then one AR step
+            return not (c.ar_loads.value is None and None not in (c.draft_s.value, c.load_s.value))
+        if self.priced_drafting(x0_new):
+            self.interval, self.since_draft = self.explore, 0
             return True
+        self.since_draft += 1
+        if self.since_draft > self.interval:  # explore: has the drafter started paying?
+            self.interval, self.since_draft = min(2 * self.interval, self.explore_max), 0
+            return True
+        return False
+
+    def priced_drafting(self, x0_new: float | None = None) -> bool:
+        """Whether a drafted round is priced above an AR step."""
         x0 = self.costs.ar_loads.value if x0_new is None else x0_new
         drafting = self.best_rate_from(1, x0 + (self.new_per_position.value or 0.0), look_ahead=True)
         return drafting > 1.0 / self.costs.ar_round_s()
