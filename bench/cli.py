@@ -761,7 +761,7 @@ def run(
     ctx: typer.Context,
     model: ModelOpt = "ds-tiny",
     model_path: ModelPathOpt = None,
-    method: Annotated[str, typer.Option("--method", help="ar | top-r | draftexpert | pld | reference")] = "ar",
+    method: Annotated[str, typer.Option("--method", help="ar | top-r | draftexpert | pld | auto | reference")] = "ar",
     platform: PlatformOpt = "mn",
     expert_type: ExpertTypeOpt = "q4_0",
     cache_experts: Annotated[
@@ -847,7 +847,9 @@ def run(
     expert load is counted by the ledger). `top-r`: exact self-speculation with shared + top-r
     as drafter; `draftexpert`: with shared + top-1 + draft expert, confidence–expansion
     truncation and draft-router prefetch (Algorithm 1); `pld`: prompt lookup, the
-    training-free drafter (n-gram matches in the prompt and the output so far; no forward).
+    training-free drafter (n-gram matches in the prompt and the output so far; no forward);
+    `auto`: each round DraftExpert, shared + top-1, shared + top-3 or an AR step, whichever the
+    cost controller prices fastest from this run's measured costs and acceptance (not the paper's).
     `reference`: the target's plain greedy decoding through transformers, weights resident — the
     exactness oracle."""
     from bench.cells.decoders import make_decoder

@@ -30,6 +30,7 @@ PAPER_MN_LOADING_SHARE = paper.MN_DS_OFFLOAD_SHARE  # Flash-staged vs resident A
 TOP_R = ("top-1", "top-2", "top-3", "top-3-k8")
 DE_LONG = "draftexpert-k8"  # DraftExpert with K = 8 and no truncation (prefetch on)
 DE_COST = "draftexpert-cost"  # DraftExpert with the cost controller
+AUTO = ("auto", "auto-k8")  # each round's drafter (or AR) chosen by price, K_max 4 and 8
 FIXED = ("top-1", "top-2", "top-3", "top-3-k8", "draftexpert", DE_LONG, "pld")  # the fixed settings of the sweep
 
 
@@ -58,6 +59,8 @@ def rows(res: dict) -> list[dict]:
             "de_vs_cache": m["draftexpert"].get("speedup_vs_cache"),
             "de_cost_speedup": m[DE_COST]["speedup"] if DE_COST in m else None,
             "best_fixed_speedup": max((m[x]["speedup"] for x in FIXED if x in m), default=None),
+            "auto_speedup": max((m[x]["speedup"] for x in AUTO if x in m), default=None),
+            "best_auto": max((x for x in AUTO if x in m), key=lambda x: m[x]["speedup"], default=None),
             "tokens_equal_ar": all(cell["tokens_equal_ar"].values()),
         }
         for label, key in (("ar", "ar"), ("draftexpert", "de")):
@@ -76,16 +79,18 @@ def table(res: dict) -> str:
         "lookup (training-free, not the paper's); AR-cache: AR with an LRU expert cache of DraftExpert's memory "
         "beyond AR (draft experts + prefetch buffer), DE ×AR-cache: DraftExpert over it; DE cost: DraftExpert "
         "with the cost controller (`--controller cost`, not the paper's), ÷ best fixed: over the best of the "
-        "sweep's fixed settings (top-r, DraftExpert at K = 4 and 8, pld).",
+        "sweep's fixed settings (top-r, DraftExpert at K = 4 and 8, pld); auto: `--method auto` (each round "
+        "DraftExpert, top-1, top-3 or an AR step, by price; not the paper's), the better of K_max = 4 and 8.",
         "",
         "| read cap | AR TPS | AR loading share | AR limit TPS | best top-r ×AR | DraftExpert ×AR | DE TPS | "
         "DE limit TPS | DE α | DraftExpert K = 8 ×AR | pld ×AR | AR-cache ×AR | DE ×AR-cache | DE cost ×AR | "
-        "÷ best fixed | tokens equal AR |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "÷ best fixed | auto ×AR | ÷ best fixed | tokens equal AR |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     f = lambda v, fmt: fmt.format(v) if v is not None else "–"  # noqa: E731
     for r in rows(res):
         cap = f"{r['read_bw'] / 1e6:.0f} MB/s" if r["read_bw"] else "uncapped"
+        auto_setting = f" ({r['best_auto']})" if r["best_auto"] else ""
         lines.append(
             f"| {cap} | {r['ar_tps']:.2f} | {f(r['ar_loading_share'], '{:.2f}')} | "
             f"{f(r['ar_limit_tps'], '{:.1f}')} | {f(r['top_r_speedup'], '{:.2f}')} ({r['best_top_r']}) | "
@@ -94,6 +99,8 @@ def table(res: dict) -> str:
             f"{f(r['pld_speedup'], '{:.2f}')} | {f(r['ar_cache_speedup'], '{:.2f}')} | "
             f"{f(r['de_vs_cache'], '{:.2f}')} | {f(r['de_cost_speedup'], '{:.2f}')} | "
             f"{f(r['de_cost_speedup'] / r['best_fixed_speedup'] if r['de_cost_speedup'] else None, '{:.2f}')} | "
+            f"{f(r['auto_speedup'], '{:.2f}')}{auto_setting} | "
+            f"{f(r['auto_speedup'] / r['best_fixed_speedup'] if r['auto_speedup'] else None, '{:.2f}')} | "
             f"{r['tokens_equal_ar']} |"
         )
     return "\n".join(lines) + "\n"

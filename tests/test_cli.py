@@ -60,6 +60,7 @@ def test_reproduce_writes_fig1a_and_lists_pending(tmp_path):
             "top-3",
             "draftexpert",
             "draftexpert-cost",
+            "auto",
             "pld",
             "ar-cache",
         }
@@ -135,6 +136,7 @@ def test_reproduce_cg_rows_put_the_resident_bound_and_the_copy_in_limit_beside_a
         "top-3",
         "draftexpert",
         "draftexpert-cost",
+        "auto",
         "pld",
         "ar-cache",
     }

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from draftexpert.speculation.controller import Acceptance, CostController
+from draftexpert.speculation.controller import Acceptance, CostController, DrafterChoice
 
 
 def priced(load_s: float, draft_s: float, verify_s: float, accept: float, new_per_position: float = 20.0,
@@ -27,16 +27,25 @@ def test_expected_tokens_is_the_accepted_prefix_and_the_targets_own():
         a.add(drafted=3, accepted=3)
     a.add(drafted=3, accepted=0)  # v_1 judged and rejected; v_2, v_3 not judged
     assert a.trials == [99, 98, 98] and a.accepted == [98, 98, 98]
-    assert a.at(0) == pytest.approx(99 / 101) and a.at(1) == pytest.approx(99 / 100)
+    a1 = (98 + 2 * 0.5) / (99 + 2)
+    assert a.at(0) == pytest.approx(a1) and a.at(1) == pytest.approx((98 + 2 * a1) / (98 + 2))
+
+
+def test_a_position_judged_rarely_borrows_the_estimate_of_the_one_before():
+    a = Acceptance(4)
+    for _ in range(50):
+        a.add(drafted=1, accepted=1)  # only v_1 ever drafted: accepted every time
+    assert a.at(0) > 0.95 and a.at(3) == pytest.approx(a.at(0))  # not the flat ½
 
 
 def test_uncalibrated_it_drafts_as_the_paper_would_then_times_an_ar_step():
     c = CostController(4)
     assert c.draft_this_round() and c.keep(1, 30, 60, True)
     c.costs.observe_draft(2, 2e-3)
-    c.costs.observe_verify(3, 5e-3, 2e-3, 40)  # a 3-position verify: no one-position round timed yet
+    c.costs.observe_verify(3, 3e-3, 40)  # a 3-position verify: no one-position round timed yet
+    c.costs.observe_loads(40, 2e-3)
     assert not c.costs.ready and not c.draft_this_round()  # an AR step, to time one
-    c.costs.observe_verify(1, 3e-3, 1e-3, 20)
+    c.costs.observe_verify(1, 2e-3, 20)
     assert c.costs.ready and c.costs.ar_loads.value == 20
 
 
@@ -72,3 +81,51 @@ def test_a_token_is_kept_by_what_it_adds_to_the_block():
     assert c.keep(2, 50, 50, True)  # v_2 brings no new expert: nearly free
     assert not c.keep(2, 50, 110, True)  # 60 new layer-experts for a 36% chance of a token
     assert c.keep(2, 50, 110, True) is False and c.rate(1, 50, True) > c.rate(2, 110, True)
+
+
+def chooser(accepts: dict[str, float], draft_s: dict[str, float], load_s=1e-3, verify_s=1e-3) -> DrafterChoice:
+    ch = DrafterChoice(list(accepts), k_max=4)
+    for name, arm in ch.arms.items():
+        p = priced(load_s, draft_s[name], verify_s, accepts[name])
+        arm.costs.draft_s.value = draft_s[name]
+        arm.acc, arm.new_per_position.value = p.acc, p.new_per_position.value
+        arm.optimism = 0.0
+    shared = next(iter(ch.arms.values())).costs
+    shared.load_s.value, shared.verify_s.value, shared.position_s.value, shared.ar_loads.value = (
+        load_s,
+        verify_s,
+        verify_s / 10,
+        30.0,
+    )
+    return ch
+
+
+def test_auto_calibrates_every_drafter_then_times_an_ar_step():
+    ch = DrafterChoice(["a", "b"], k_max=4)
+    assert ch.choose() == "a"
+    a = ch.arms["a"].costs
+    a.observe_draft(2, 1e-3)
+    a.observe_verify(3, 3e-3, 40)
+    a.observe_loads(40, 4e-3)
+    assert ch.choose() == "b"  # the verify prices are shared; b's draft forward is not timed yet
+    ch.arms["b"].costs.observe_draft(2, 2e-3)
+    assert ch.choose() is None  # every drafter timed: one AR step, to time a one-position round
+    a.observe_verify(1, 1e-3, 30)
+    assert ch.arms["b"].costs.ready and ch.choose() in ("a", "b")
+
+
+def test_auto_takes_the_best_priced_drafter_or_ar():
+    ch = chooser({"de": 0.9, "top-3": 0.6}, {"de": 1e-4, "top-3": 1e-4})
+    assert ch.choose() == "de"
+    ch = chooser({"de": 0.2, "top-3": 0.3}, {"de": 1e-3, "top-3": 1e-3})
+    assert ch.choose() is None  # loading dominates, drafts miss: AR
+    rates = ch.rates()
+    assert rates[None] > max(rates["de"], rates["top-3"])
+
+
+def test_auto_explores_the_drafter_drafted_least_recently():
+    ch = chooser({"de": 0.2, "top-3": 0.3, "top-1": 0.25}, {"de": 1e-3, "top-3": 1e-3, "top-1": 1e-3})
+    picks = [ch.choose() for _ in range(1 + 17 + 33 + 65)]
+    drafted = [p for p in picks if p is not None]
+    assert drafted == ["de", "top-3", "top-1"]  # one exploration per interval, each drafter in turn
+    assert picks.index("top-3") - picks.index("de") == 33  # the interval doubled

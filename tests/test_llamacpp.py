@@ -442,3 +442,32 @@ def test_a_forward_stages_into_its_own_models_mapping_only(disk_dir):
     engine.draft_forward(PROMPTS[0] + [42])
     assert _rss(d_map) > 0
     engine.close()
+
+
+def test_auto_on_llama_cpp_equals_ar_whichever_drafter_it_takes(ckpt):
+    """`--method auto` on llama.cpp: a context per drafter; one left out for rounds catches up on the
+    committed tokens when next chosen. Tokens equal llama.cpp's AR under the priced choice and with
+    each drafter (and AR) forced."""
+    head, experts = model_files(ckpt, "q4_0")
+    de_head, _ = model_files(ckpt, "q4_0", random_draft(ckpt), name="draftexpert")
+    pages = ExpertPages(experts)
+    target = LlamaModel(head, 256, 1)
+    ar = AROffloadDecoder(LlamaEngine(target, pages))
+    drafters = {
+        "draftexpert": LlamaModel(de_head, 256, 1, tap_router_logits=True),
+        "top-1": LlamaModel(head, 256, 1, used_experts=1, tap_router_logits=True),
+        "top-3": LlamaModel(head, 256, 1, used_experts=3, tap_router_logits=True),
+    }
+    engine = LlamaEngine(target, pages, router=load_router(ckpt), name="auto", drafters=drafters)
+    spec = SpeculativeDecoder(engine, SpecConfig(k_max=4, controller="cost"), drafters=list(drafters))
+    for ids in PROMPTS:
+        assert spec.generate(ids, 24, None).tokens == ar.generate(ids, 24, None).tokens
+    for forced in [*drafters, None, "top-1", "draftexpert"]:  # switches: a drafter left behind catches up
+        spec.choice.choose = lambda forced=forced: forced
+        out = spec.generate(PROMPTS[1], 24, None)
+        assert out.tokens == ar.generate(PROMPTS[1], 24, None).tokens, forced
+        assert set(out.stats["auto_rounds"]) == {forced or "ar"}
+    for m in drafters.values():
+        m.close()
+    target.close()
+    pages.close()

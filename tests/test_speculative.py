@@ -464,3 +464,33 @@ def test_cost_controller_is_exact_whatever_it_decides(models, store, name):
     dec.ctl.costs, dec.ctl.acc = free.costs, free.acc
     out = dec.generate(ids, 24)
     assert out.tokens == ar_tokens(model, ids) and out.stats["cost_ar_rounds"] == 0 and out.stats["truncated"] == 0
+
+
+@pytest.mark.parametrize("store", ["host", "flash"])
+def test_auto_is_exact_whichever_drafter_each_round_takes(models, store):
+    """`--method auto`: rounds go to DraftExpert, top-1, top-2 or AR by price (calibration, then the
+    priced choice, then each drafter forced in turn): greedy tokens equal AR's throughout, and every
+    choice is counted."""
+    model = models[1][store]
+    model.experts.capacity = 0
+    model.experts.cache.clear()
+    names = ["de-random", "top-1", "top-2"]
+    engine = TorchEngine(model, drafters={n: drafter(model, n) for n in names})
+    dec = SpeculativeDecoder(engine, SpecConfig(k_max=4, controller="cost"), drafters=names)
+    seen: dict[str, int] = {}
+    for seed in range(3):
+        ids = prompt(seed, 8)
+        out = dec.generate(ids, 24)
+        assert out.tokens == ar_tokens(model, ids)
+        assert 0 < sum(out.stats["auto_rounds"].values()) <= out.stats["rounds"]  # a round with no room to draft: none
+        for k, v in out.stats["auto_rounds"].items():
+            seen[k] = seen.get(k, 0) + v
+    assert set(names) <= set(seen)  # calibration drafts with each drafter
+    for forced in [*names, None]:
+        dec.choice.choose = lambda forced=forced: forced
+        ids = prompt(11, 8)
+        out = dec.generate(ids, 24)
+        assert out.tokens == ar_tokens(model, ids), forced
+        assert set(out.stats["auto_rounds"]) == {forced or "ar"}
+    with pytest.raises(ValueError, match="shared"):
+        TorchEngine(model, draft_cache="own", drafters={"top-1": drafter(model, "top-1")})

@@ -25,7 +25,7 @@ from draftexpert.runtime.loader import HEAD_TYPES
 from draftexpert.speculation.config import BUDGET_MODES, CONTROLLERS, DRAFT_CACHES, SpecConfig
 from draftexpert.speculation.lookup import PLD_TOKENS, Lookup
 
-Method = Literal["ar", "reference", "top-r", "draftexpert", "pld"]
+Method = Literal["ar", "reference", "top-r", "draftexpert", "pld", "auto"]
 Platform = Literal["mn", "cg", "resident"]
 EngineName = Literal["torch", "llama.cpp"]
 # The torch engine's compute dtype. Experts are held and moved in the checkpoint's dtype (bf16 for the real
@@ -39,7 +39,9 @@ METHODS: tuple[str, ...] = get_args(Method)
 PLATFORMS = {"mn": "flash", "cg": "host", "resident": "resident"}  # platform → expert store (torch engine)
 ENGINES: tuple[str, ...] = get_args(EngineName)
 DTYPES: tuple[str, ...] = get_args(Dtype)
-SPEC_METHODS = ("top-r", "draftexpert", "pld")
+SPEC_METHODS = ("top-r", "draftexpert", "pld", "auto")
+# `--method auto`: the drafters a round chooses among by price, AR steps included (`DrafterChoice`)
+AUTO_TOP_R = (1, 3)  # shared + top-r drafters beside DraftExpert (those below the target's top-k)
 STAGINGS = {"torch": tuple(TORCH_STAGING), "llama.cpp": ("demand", "pagefault")}
 EXPERT_KERNELS = ("auto", *KERNELS)
 
@@ -120,6 +122,7 @@ class Resolved:
     draft_experts: dict | None = None  # DraftExpert: the draft experts' card (file, preset, sha256, steps)
     threads: int = 1  # llama.cpp: its threads
     weights: str = ""  # the checkpoint's fingerprint
+    top_k: int = 0  # the target's routed experts per token (`--method auto`: which top-r drafters exist)
 
 
 @dataclass(frozen=True)
@@ -241,6 +244,8 @@ class Cell:
     def round_config(self) -> SpecConfig:
         """The round's settings as the decoder runs them (sampling is the cell's)."""
         conf = replace(self.spec.round, temperature=self.temperature, seed=self.seed)
+        if self.method == "auto":  # every round priced: the cost controller's stop rule
+            conf = replace(conf, controller="cost")
         if self.method == "pld":  # no draft forward: nothing to truncate on, nothing predicted to prefetch
             conf = replace(conf, k_max=self.spec.pld_tokens, truncate=False, prefetch=False)
         return replace(conf, draft_cache="shared") if self.engine == "llama.cpp" else conf  # its own context
@@ -266,8 +271,10 @@ class Cell:
                 args["staging_budget"] = self.staging_budget
             if self.method == "top-r":
                 args["r"] = spec.r
-            elif self.method == "draftexpert":
+            elif self.method in ("draftexpert", "auto"):
                 args["draft_experts"] = resolved.draft_experts
+            if self.method == "auto":
+                args["drafters"] = self.auto_drafters(resolved)
             if self.method == "pld":
                 args.update(self._pld_args())
             elif self.speculative:
@@ -300,9 +307,15 @@ class Cell:
                     args["r"] = spec.r
                 else:
                     args["draft_experts"] = resolved.draft_experts
+                if self.method == "auto":
+                    args["drafters"] = self.auto_drafters(resolved)
         if self.read_bw:
             args["read_bw"] = self.read_bw  # a capped cell is another cell
         return args
+
+    def auto_drafters(self, resolved: Resolved = Resolved()) -> list[str]:
+        """`--method auto`'s drafters, as its records name them (`resolved.top_k`: the target's)."""
+        return ["draftexpert", *(f"top-{r}" for r in AUTO_TOP_R if not resolved.top_k or r < resolved.top_k)]
 
     def _pld_args(self) -> dict:
         s = self.spec
@@ -383,6 +396,14 @@ RULES: tuple[Rule, ...] = (
         ("draft_experts",),
         lambda c: c.method == "top-r",
         lambda c: "to --method top-r (its drafter is the target's own top-r experts)",
+    ),
+    Rule(
+        ("r", "controller"),
+        lambda c: c.method == "auto",
+        lambda c: (
+            "to --method auto (it prices every round with the cost controller, over DraftExpert and "
+            f"shared + top-{'/'.join(map(str, AUTO_TOP_R))})"
+        ),
     ),
     Rule(
         ("r",),

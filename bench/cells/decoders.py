@@ -65,7 +65,7 @@ def placement(platform: str, method: str, device: str | None = None, dtype: str 
                 "CPU as the accelerator (recorded so)"
             )
         device = "cuda"
-    if dtype == "bf16" and method in ("top-r", "draftexpert"):
+    if dtype == "bf16" and method in ("top-r", "draftexpert", "auto"):
         print(
             "warning: --dtype bf16: a verify pass and the one-token step round differently in bf16, so a near-tie "
             "can make the tokens differ from AR's; --dtype fp32 (the default) keeps them equal",
@@ -180,18 +180,41 @@ def make_llama_decoder(cell: Cell, folder: Path, expert_file: Callable[[str], Pa
         target = LlamaModel(target_head, n_ctx, threads, kv_type=kv)
         engine = LlamaEngine(target, ExpertPages(experts), name="pld", staging=staging, staging_budget=budget)
         decoder = SpeculativeDecoder(engine, cell.round_config(), lookup=cell.spec.lookup())
+    elif cell.method == "auto":  # a context per drafter; rounds choose among them by price
+        draft, meta = _draft_experts(cell.model, folder, cell.spec.draft_experts)
+        if draft is None:
+            draft = _zero_draft(folder)
+        de_head = llama_head_for(cell.model, folder, cell.expert_type, experts, draft, meta.get("sha256") or "zero")
+        target = LlamaModel(target_head, n_ctx, threads, kv_type=kv)
+        names = cell.auto_drafters(Resolved(top_k=load_config(folder).num_experts_per_tok))
+        drafters = {
+            name: LlamaModel(
+                de_head if name == "draftexpert" else target_head,
+                n_ctx,
+                threads,
+                used_experts=None if name == "draftexpert" else int(name.split("-")[1]),
+                tap_router_logits=True,
+                kv_type=kv,
+            )
+            for name in names
+        }
+        engine = LlamaEngine(
+            target,
+            ExpertPages(experts),
+            router=load_router(folder),
+            name="auto",
+            staging=staging,
+            staging_budget=budget,
+            drafters=drafters,
+        )
+        decoder = SpeculativeDecoder(engine, cell.round_config(), drafters=names)
     else:
         if cell.method == "top-r":
             drafter_head, used, name = target_head, cell.spec.r, cell.label
         else:
             draft, meta = _draft_experts(cell.model, folder, cell.spec.draft_experts)
             if draft is None:
-                hf = load_config(folder)
-                draft = DraftExperts.zeros(
-                    list(range(hf.first_k_dense_replace, hf.num_hidden_layers)),
-                    hf.hidden_size,
-                    hf.moe_intermediate_size,
-                )
+                draft = _zero_draft(folder)
             drafter_head, used, name = (
                 llama_head_for(cell.model, folder, cell.expert_type, experts, draft, meta.get("sha256") or "zero"),
                 None,
@@ -212,6 +235,14 @@ def make_llama_decoder(cell: Cell, folder: Path, expert_file: Callable[[str], Pa
     return decoder, tokenizer, Resolved(draft_experts=meta, threads=threads)
 
 
+def _zero_draft(folder: Path) -> DraftExperts:
+    """The zero draft expert (no distilled one): DraftExpert drafts with shared + top-1 alone."""
+    hf = load_config(folder)
+    return DraftExperts.zeros(
+        list(range(hf.first_k_dense_replace, hf.num_hidden_layers)), hf.hidden_size, hf.moe_intermediate_size
+    )
+
+
 def make_decoder(cell: Cell, folder: Path, expert_file: Callable[[str], Path] | None = None):
     """(decoder, tokenizer, cell config) for a cell on the checkpoint in `folder`. `expert_file(type)`
     gives the checkpoint's GGUF expert file (written once) where the cell reads one (platform mn, a
@@ -226,7 +257,9 @@ def make_decoder(cell: Cell, folder: Path, expert_file: Callable[[str], Path] | 
         decoder, tokenizer, resolved = make_llama_decoder(cell, folder, expert_file, torch.get_num_threads())
     else:
         decoder, tokenizer, resolved = _make_torch_decoder(cell, folder, expert_file)
-    resolved = replace(resolved, weights=weights_fingerprint(folder))  # results of other weights are other cells
+    resolved = replace(  # results of other weights are other cells
+        resolved, weights=weights_fingerprint(folder), top_k=load_config(folder).num_experts_per_tok
+    )
     return decoder, tokenizer, cell.config(resolved)
 
 
@@ -234,11 +267,13 @@ def _make_torch_decoder(cell: Cell, folder: Path, expert_file: Callable[[str], P
     device, dtype = placement(cell.platform, cell.method, cell.device, cell.dtype)
     torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
     experts, de_meta = (
-        _draft_experts(cell.model, folder, cell.spec.draft_experts) if cell.method == "draftexpert" else (None, None)
+        _draft_experts(cell.model, folder, cell.spec.draft_experts)
+        if cell.method in ("draftexpert", "auto")
+        else (None, None)
     )  # before the plan: the drafter's width is part of it
     draft_intermediate = (
         0
-        if cell.method != "draftexpert"
+        if cell.method not in ("draftexpert", "auto")
         else experts.intermediate
         if experts is not None
         else json.loads((folder / "config.json").read_text())["moe_intermediate_size"]
@@ -278,6 +313,16 @@ def _make_torch_decoder(cell: Cell, folder: Path, expert_file: Callable[[str], P
         decoder = AROffloadDecoder(TorchEngine(target), temperature=cell.temperature, seed=cell.seed)
     elif cell.method == "pld":
         decoder = SpeculativeDecoder(TorchEngine(target), cell.round_config(), lookup=cell.spec.lookup())
+    elif cell.method == "auto":  # one engine, every drafter's path over the shared cache; rounds choose by price
+        conf = replace(cell.round_config(), draft_cache="shared")
+        names = cell.auto_drafters(Resolved(top_k=target.cfg.top_k))
+        paths = {
+            n: make_draft_path(target, "draftexpert", experts=experts)
+            if n == "draftexpert"
+            else make_draft_path(target, "top-r", r=int(n.split("-")[1]))
+            for n in names
+        }
+        decoder = SpeculativeDecoder(TorchEngine(target, drafters=paths), conf, drafters=names)
     else:
         conf = cell.round_config()
         path = make_draft_path(target, cell.method, r=cell.spec.r, experts=experts)

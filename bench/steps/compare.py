@@ -39,6 +39,7 @@ METHODS = [
     ("top-3", "top-r", {"r": 3, "truncate": False, "prefetch": False}),
     ("draftexpert", "draftexpert", {}),
     ("draftexpert-cost", "draftexpert", {"controller": "cost"}),  # the same drafter, rounds priced (not the paper's)
+    ("auto", "auto", {}),  # each round's drafter (or AR) chosen by price (not the paper's)
     ("pld", "pld", {}),  # prompt lookup: the training-free drafter (not the paper's)
     ("ar-cache", "ar", {EQUAL_MEMORY: True}),  # AR with an LRU expert cache of DraftExpert's extra memory
 ]
@@ -64,6 +65,7 @@ REGIME_CAPS = [16 * 10**6, 32 * 10**6, 64 * 10**6, 128 * 10**6, 256 * 10**6, 512
 LONG_BLOCKS = [
     ("top-3-k8", "top-r", {"r": 3, "k_max": 8, "truncate": False, "prefetch": False}),
     ("draftexpert-k8", "draftexpert", {"k_max": 8, "truncate": False}),
+    ("auto-k8", "auto", {"k_max": 8}),  # priced per round over DraftExpert, top-1, top-3 and AR (not the paper's)
 ]
 # The Spec-Bench table's methods: both ARs, the best top-r at K = 4, prompt lookup, DraftExpert.
 SPEC_BENCH = [m for m in METHODS if m[0] in ("ar", "top-3", "draftexpert", "pld", "ar-cache")]

@@ -505,7 +505,14 @@ class LlamaEngine:
         name: str = "ar",
         staging: str = "demand",
         staging_budget: int = 0,
+        drafters: dict[str, LlamaModel] | None = None,
     ):
+        """`drafters`: several drafters a round chooses among (`select_drafter`; `--method auto`), each
+        a context of its own: a drafter not chosen for some rounds catches up on the committed tokens
+        in its next draft forward."""
+        if drafters:
+            drafter = drafter or next(iter(drafters.values()))
+        self.drafters = dict(drafters or {})
         if staging not in STAGING:
             raise ValueError(f"--staging: {staging!r} is not one of {', '.join(STAGING)}")
         if staging_budget and staging != "demand":
@@ -520,7 +527,7 @@ class LlamaEngine:
         if drafter is not None and router is None:
             raise ValueError("a drafter needs the target's router (ModelConfig, biases) to predict verifier experts")
         self.target, self.drafter, self.pages, self.router, self.name = target, drafter, pages, router, name
-        self.context_length = min(m.n_ctx for m in (target, drafter) if m is not None)
+        self.context_length = min(m.n_ctx for m in self._models if m is not None)
         self.staging = staging
         # bytes of whole experts kept in the page cache between steps / rounds, least recently routed
         # out first (0: the paper's cold setting, everything evicted)
@@ -533,9 +540,17 @@ class LlamaEngine:
         self._seen: dict[int, dict[int, bool]] = defaultdict(dict)  # this forward's experts per layer → cached before?
         self._since_evict: set[tuple[int, int]] = set()  # every expert staged, faulted or prefetched since the eviction
         self._prefetched: set[tuple[int, int]] = set()  # this round's WILLNEEDs, possibly still in flight
-        for m in (target, drafter):
+        for m in self._models:
             if m is not None:
                 m.on_route = self._on_route
+
+    @property
+    def _models(self) -> list[LlamaModel | None]:
+        return [self.target, self.drafter, *(m for m in self.drafters.values() if m is not self.drafter)]
+
+    def select_drafter(self, name: str) -> None:
+        """The drafter the next draft forwards run (one of `drafters`)."""
+        self.drafter = self.drafters[name]
 
     def _on_route(self, layer: int, experts: np.ndarray) -> None:
         """The load hook (every staging): before layer's expert matmuls, note which of the chosen
@@ -594,7 +609,7 @@ class LlamaEngine:
 
     def start(self, capacity: int) -> None:
         self.ledger.reset()
-        for m in (self.target, self.drafter):
+        for m in self._models:
             if m is not None:
                 m.reset()
         self.pages.find_mappings()  # the models are loaded: their mappings are known from here on
@@ -611,7 +626,8 @@ class LlamaEngine:
         return self._forward(self.target, ids, "prefill")[-1]
 
     def prefill_draft(self, ids: list[int]) -> None:
-        self._forward(self.drafter, ids, "prefill-draft")
+        for m in self._models[1:]:
+            self._forward(m, ids, "prefill-draft")
 
     def decode_one_token(self, token: int) -> torch.Tensor:
         return self._forward(self.target, [token], "ar")[-1]
@@ -663,8 +679,9 @@ class LlamaEngine:
 
     def commit(self, length: int) -> None:
         self.target.rollback(length)  # drop rejected positions (and the last token's)
-        if self.drafter is not None:
-            self.drafter.rollback(min(self.drafter.n_tokens, length))
+        for m in self._models[1:]:
+            if m is not None:
+                m.rollback(min(m.n_tokens, length))
 
     def begin_round(self) -> None:
         if self.staging != "resident":
@@ -694,7 +711,7 @@ class LlamaEngine:
         }
 
     def close(self) -> None:
-        for m in (self.target, self.drafter):
+        for m in self._models:
             if m is not None:
                 m.close()
         self.pages.close()

@@ -28,9 +28,22 @@ def layer_experts(routing: dict[int, torch.Tensor], rows: slice = slice(None)) -
 
 
 class TorchEngine:
-    def __init__(self, model: MoEModel, path: DraftPath | None = None, draft_cache: str = "shared"):
+    def __init__(
+        self,
+        model: MoEModel,
+        path: DraftPath | None = None,
+        draft_cache: str = "shared",
+        drafters: dict[str, DraftPath] | None = None,
+    ):
+        """`drafters`: several draft paths a round chooses among (`select_drafter`; `--method auto`),
+        over the shared cache (each drafter attends to the target's K/V: switching costs nothing)."""
         if draft_cache not in ("shared", "own"):
             raise ValueError(f"draft_cache must be 'shared' or 'own', got {draft_cache!r}")
+        if drafters:
+            if draft_cache != "shared":
+                raise ValueError("several drafters share the target's cache: draft_cache must be 'shared'")
+            path = path or next(iter(drafters.values()))
+        self.drafters = dict(drafters or {})
         self.model, self.path, self.own_cache = model, path, draft_cache == "own"
         self.context_length = model.cfg.max_positions  # the KV cache is sized per sequence, up to this
         self.store, self.ledger = model.experts, model.experts.ledger
@@ -42,7 +55,12 @@ class TorchEngine:
         n = min(self.context_length, capacity)
         self.cache = KVCache.for_model(self.model, n)
         self.draft_cache = KVCache.for_model(self.model, n) if self.own_cache else self.cache
-        self.model.warm_compiled(self.cache.max_len, [None] if self.path is None else [None, self.path])
+        paths = list(self.drafters.values()) or ([] if self.path is None else [self.path])
+        self.model.warm_compiled(self.cache.max_len, [None, *paths])
+
+    def select_drafter(self, name: str) -> None:
+        """The draft path the next draft forwards run (one of `drafters`)."""
+        self.path = self.drafters[name]
 
     def prefill(self, ids: list[int]) -> torch.Tensor:
         return self.model.forward(torch.tensor(ids), self.cache, phase="prefill")[-1]

@@ -11,6 +11,8 @@ verify pass by more than the budget (Eq. 14):
 
 from __future__ import annotations
 
+import math
+
 Key = tuple[int, int]  # (layer, expert)
 
 
@@ -44,16 +46,27 @@ class CostModel:
 
         round(k) = draft_s · forwards(k) + verify_s + position_s · k + load_s · loads(k)
 
-    a draft forward (`draft_s`); a verify pass's compute for its first position (`verify_s`) and each
-    further one (`position_s`); one layer-expert loaded for it (`load_s`: on demand or prefetched
-    alike — the storage moves each byte either way; no overlap with compute is credited, so the
-    estimate errs towards stopping). loads(k) = the kept block's new layer-experts × (1 + the
-    measured miss ratio: experts the verify pass needed that the draft router did not predict)."""
+    a draft forward's compute (`draft_s`); a verify pass's compute for its first position (`verify_s`)
+    and each further one (`position_s`); one layer-expert loaded in the round (`load_s`: by the drafter,
+    prefetched or on demand by the verify pass alike — the storage moves each byte once either way; no
+    overlap with compute is credited, so the estimate errs towards stopping). loads(k) = the block's
+    new layer-experts (what the drafter ran and predicted over x_0 … v_k, less what was on the
+    accelerator) × (1 + the measured miss ratio: experts the verify pass loaded itself)."""
 
-    def __init__(self):
-        self.draft_s, self.verify_s, self.position_s = Ema(), Ema(), Ema(0.0)
-        self.load_s, self.miss_ratio = Ema(), Ema(0.0)
-        self.ar_loads = Ema()  # new layer-experts a one-position round needs (x_0's, unpredicted)
+    def __init__(self, shared: CostModel | None = None):
+        """`shared`: another drafter's model on the same engine — the verify pass's prices are the
+        engine's (one estimate for both); a draft forward's cost and the miss ratio are each drafter's."""
+        self.draft_s, self.miss_ratio = Ema(), Ema(0.0)
+        if shared is not None:
+            self.verify_s, self.position_s, self.load_s, self.ar_loads = (
+                shared.verify_s,
+                shared.position_s,
+                shared.load_s,
+                shared.ar_loads,
+            )
+        else:
+            self.verify_s, self.position_s, self.load_s = Ema(), Ema(0.0), Ema()
+            self.ar_loads = Ema()  # new layer-experts a one-position round needs (x_0's, unpredicted)
 
     @property
     def ready(self) -> bool:
@@ -71,44 +84,57 @@ class CostModel:
     def ar_round_s(self) -> float:
         return self.verify_s.value + self.load_s.value * self.ar_loads.value
 
-    def observe_verify(self, positions: int, wall_s: float, stall_s: float, loads: int) -> None:
-        compute = max(0.0, wall_s - stall_s)
-        if loads:
-            self.load_s.add(stall_s / loads)
+    def observe_verify(self, positions: int, compute_s: float, loads: int) -> None:
+        """A verify pass: its compute (wall less stall) and, for a one-position pass, its loads."""
         if positions == 1:
-            self.verify_s.add(compute)
+            self.verify_s.add(compute_s)
             self.ar_loads.add(loads)
         elif self.verify_s.value is not None:
-            self.position_s.add(max(0.0, (compute - self.verify_s.value) / (positions - 1)))
+            self.position_s.add(max(0.0, (compute_s - self.verify_s.value) / (positions - 1)))
         else:
-            self.verify_s.add(compute / positions)
+            self.verify_s.add(compute_s / positions)
 
-    def observe_draft(self, forwards: int, wall_s: float) -> None:
+    def observe_draft(self, forwards: int, compute_s: float) -> None:
+        """A round's draft forwards: their compute (wall less their own loads' stall)."""
         if forwards:
-            self.draft_s.add(wall_s / forwards)
+            self.draft_s.add(compute_s / forwards)
+
+    def observe_loads(self, loads: int, stall_s: float) -> None:
+        """A round's layer-experts loaded (on demand by any forward, or prefetched) and the seconds its
+        forwards stalled on them: one price per load, whoever loaded it."""
+        if loads and stall_s == stall_s:  # NaN: a stall not observable (llama.cpp's page faults)
+            self.load_s.add(stall_s / loads)
 
 
 class Acceptance:
     """Per-position acceptance, a_j = P(v_j accepted | v_1 … v_{j−1} accepted), counted over the
-    rounds seen (a Beta(1, 1) prior: 0.5 before any round)."""
+    rounds seen (0.5 before any round)."""
 
-    def __init__(self, k_max: int):
+    def __init__(self, k_max: int, strength: float = 2.0):
         self.trials, self.accepted = [0] * k_max, [0] * k_max
+        self.strength = strength  # pseudo-trials each position borrows from the one before it
 
     def add(self, drafted: int, accepted: int) -> None:
         for j in range(min(drafted, accepted + 1)):  # v_j was judged iff every earlier one passed
             self.trials[j] += 1
             self.accepted[j] += j < accepted
 
-    def at(self, j: int) -> float:
-        """a_{j+1} (0-based j)."""
-        return (self.accepted[j] + 1) / (self.trials[j] + 2)
+    def at(self, j: int, optimism: float = 0.0) -> float:
+        """a_{j+1} (0-based j): the counts shrunk towards a_j (a_1 towards ½), so a position judged
+        rarely — deep in the block — starts at the estimate of the one before, not at a flat prior;
+        `optimism` z: the estimate plus z standard errors (an upper confidence bound, capped at 1)."""
+        prior, m = 0.5, self.strength
+        for i in range(j + 1):
+            prior = (self.accepted[i] + m * prior) / (self.trials[i] + m)
+        if optimism:
+            prior = min(1.0, prior + optimism * math.sqrt(prior * (1 - prior) / (self.trials[j] + m + 1)))
+        return prior
 
-    def expected_tokens(self, k: int) -> float:
+    def expected_tokens(self, k: int, optimism: float = 0.0) -> float:
         """Tokens a round with k drafts emits on average: the accepted prefix and the target's own."""
         e, p = 1.0, 1.0
         for j in range(k):
-            p *= self.at(j)
+            p *= self.at(j, optimism)
             e += p
         return e
 
@@ -125,16 +151,26 @@ class CostController:
     for drafting resets it. The verifier still decides every token: exactness does not depend on any
     of this."""
 
-    def __init__(self, k_max: int, explore: int = 16, explore_max: int = 256):
-        self.k_max, self.explore, self.explore_max = k_max, explore, explore_max
-        self.costs, self.acc = CostModel(), Acceptance(k_max)
+    def __init__(
+        self,
+        k_max: int,
+        explore: int = 16,
+        explore_max: int = 256,
+        costs: CostModel | None = None,
+        optimism: float = 1.0,
+    ):
+        self.k_max, self.explore, self.explore_max, self.optimism = k_max, explore, explore_max, optimism
+        self.costs, self.acc = costs or CostModel(), Acceptance(k_max)
         self.new_per_position = Ema()  # new layer-experts a kept draft position adds
         self.rounds = self.ar_rounds = 0
         self.interval, self.since_draft = explore, 0  # AR rounds between explorations, and since the last draft
 
     def rate(self, k: int, new_experts: float, look_ahead: bool) -> float:
+        """Priced tokens/s of a round of k drafts, its acceptance taken at its upper confidence bound
+        (`optimism`): a drafter or a depth judged rarely is tried until its estimate is tight enough
+        to rule it out (optimism in the face of uncertainty, as a bandit's UCB)."""
         forwards = k + 1 if look_ahead else max(k, 1)  # x_0's forward, and v_K's when prefetch / truncation read it
-        return self.acc.expected_tokens(k) / self.costs.round_s(forwards, k + 1, new_experts)
+        return self.acc.expected_tokens(k, self.optimism) / self.costs.round_s(forwards, k + 1, new_experts)
 
     def best_rate_from(self, k: int, new_experts: float, look_ahead: bool) -> float:
         """The best rate of drafting to any k' ≥ k, positions past k at the mean new experts."""
@@ -174,3 +210,60 @@ class CostController:
         self.acc.add(drafted, accepted)
         for n in new_per_kept:
             self.new_per_position.add(n)
+
+
+class DrafterChoice:
+    """`--method auto`: which drafter a round drafts with, or none (an AR step), by the same prices.
+    One `CostController` per drafter (its acceptance, draft forward and miss ratio its own; the verify
+    pass priced once for the engine); each round goes to the drafter whose best priced rate is the
+    highest, or to AR when none beats it. Calibration: each drafter drafts until priced, then one AR
+    step is timed. Exploration: one round in `interval` goes to the drafter drafted least recently (its
+    acceptance would otherwise never move); the interval doubles while the choice stays (up to
+    `explore_max`) and is reset when the priced choice changes."""
+
+    def __init__(self, names: list[str], k_max: int, explore: int = 16, explore_max: int = 256):
+        if not names:
+            raise ValueError("auto: at least one drafter")
+        shared = CostModel()
+        self.arms = {n: CostController(k_max, explore, explore_max, CostModel(shared)) for n in names}
+        self.explore, self.explore_max = explore, explore_max
+        self.interval, self.since_change, self.best = explore, 0, None
+        self.last_drafted = dict.fromkeys(names, -1)  # round each drafter last drafted
+        self.rounds = 0
+
+    def rates(self) -> dict[str | None, float]:
+        """Priced tokens/s of each drafter's best round, and of an AR step (None)."""
+        out: dict[str | None, float] = {}
+        for n, arm in self.arms.items():
+            x0 = arm.costs.ar_loads.value
+            out[n] = arm.best_rate_from(1, x0 + (arm.new_per_position.value or 0.0), look_ahead=True)
+        out[None] = 1.0 / next(iter(self.arms.values())).costs.ar_round_s()
+        return out
+
+    def choose(self) -> str | None:
+        """The drafter of this round (None: an AR step)."""
+        self.rounds += 1
+        pick = self._choose()
+        if pick is not None:
+            self.last_drafted[pick] = self.rounds
+        return pick
+
+    def _choose(self) -> str | None:
+        for n, arm in self.arms.items():  # calibrating: every drafter timed, then one AR step
+            c = arm.costs
+            if None in (c.draft_s.value, c.load_s.value, c.verify_s.value):
+                return n
+        if next(iter(self.arms.values())).costs.ar_loads.value is None:
+            return None
+        rates = self.rates()
+        best = max(rates, key=rates.get)
+        if best != self.best:
+            self.best, self.interval, self.since_change = best, self.explore, 0
+            return best
+        self.since_change += 1
+        if self.since_change > self.interval:  # explore the drafter drafted least recently (not the best)
+            self.interval, self.since_change = min(2 * self.interval, self.explore_max), 0
+            others = [n for n in self.arms if n != best]
+            if others:
+                return min(others, key=self.last_drafted.get)
+        return best

@@ -52,7 +52,7 @@ import torch
 from draftexpert.decoding import DecodeOutput, Engine, Key, check_context, check_finite, probs, sample
 from draftexpert.metrics import RoundStats
 from draftexpert.speculation.config import SpecConfig
-from draftexpert.speculation.controller import CostController, expansion, stop
+from draftexpert.speculation.controller import CostController, DrafterChoice, expansion, stop
 from draftexpert.speculation.lookup import Lookup
 
 
@@ -70,6 +70,7 @@ class Draft:
     touched_at: list[int] = field(default_factory=list)  # |touched| when v_j was proposed (Fig. 3)
     prefetched: set[Key] = field(default_factory=set)
     new_at: list[int] = field(default_factory=list)  # the cost controller: new layer-experts each kept v_j added
+    footprint: set[Key] = field(default_factory=set)  # the cost controller: touched before v_i's forward
 
 
 def greedy_accept(draft_tokens: list[int], target_argmax: list[int]) -> tuple[list[int], int]:
@@ -97,14 +98,38 @@ class SpeculativeDecoder:
     """`Decoder` contract: exact self-speculative decoding on `engine` (its drafter proposes)."""
 
     def __init__(
-        self, engine: Engine, config: SpecConfig = SpecConfig(), trace: list | None = None, lookup: Lookup | None = None
+        self,
+        engine: Engine,
+        config: SpecConfig = SpecConfig(),
+        trace: list | None = None,
+        lookup: Lookup | None = None,
+        drafters: list[str] | None = None,
     ):
+        """`drafters`: `--method auto` — the engine's drafters (`engine.select_drafter`) a round chooses
+        among by price, AR included (`controller.DrafterChoice`; the cost controller's stop rule)."""
         self.engine, self.cfg, self.lookup = engine, config, lookup  # lookup: prompt lookup drafts, no forward
         self._vocab = 0
         self.name = engine.name
         self.trace = trace  # when a list: one dict per round (sets and tokens) for audits and tests
         # the cost controller learns this engine's prices across prompts (`--controller cost`)
-        self.ctl = CostController(config.k_max) if config.controller == "cost" else None
+        self.choice = DrafterChoice(drafters, config.k_max) if drafters else None
+        if self.choice is not None:
+            self.ctl = next(iter(self.choice.arms.values()))
+        else:
+            self.ctl = CostController(config.k_max) if config.controller == "cost" else None
+
+    def choose_round(self, chosen: dict[str, int]) -> bool:
+        """Whether this round drafts: the cost controller's call (`--controller cost`), or under
+        `--method auto` which drafter drafts it (selected on the engine; counted in `chosen`)."""
+        if self.choice is None:
+            return self.ctl is None or self.ctl.draft_this_round()
+        arm = self.choice.choose()
+        chosen[arm or "ar"] = chosen.get(arm or "ar", 0) + 1
+        if arm is None:
+            return False
+        self.engine.select_drafter(arm)
+        self.ctl = self.choice.arms[arm]
+        return True
 
     def close(self) -> None:
         self.engine.close()
@@ -125,9 +150,10 @@ class SpeculativeDecoder:
         # Ê of every kept token, the last one included: truncation, prefetch and the cost controller read it
         look_ahead = cfg.truncate or cfg.prefetch or ctl is not None
         out = Draft()
+        resident = eng.resident() if ctl is not None else set()  # the cost controller: what the round need not load
         logits = self._draft_forward(committed[eng.draft_length :], out)  # consumes x_0 (and any pending)
+        out.footprint = set(out.touched)
         self._keep(out, eng.predicted())  # x_0 is verified whatever is drafted: never truncated
-        resident = eng.resident() if ctl is not None else set()
         for i in range(1, k_limit + 1):
             q = probs(logits, cfg.temperature)
             v = int(torch.multinomial(q, 1, generator=gen)) if cfg.temperature > 0 else int(q.argmax())
@@ -135,9 +161,12 @@ class SpeculativeDecoder:
             if i < k_limit or look_ahead:
                 logits = self._draft_forward([v], out)  # consumes v_i: its verify experts Ê_i
                 predicted = eng.predicted()
-                if ctl is not None:  # priced: the block's new layer-experts without and with v_i
-                    kept = len(out.predicted - resident)
-                    grown = len((out.predicted | predicted) - resident)
+                if ctl is not None:  # priced: the round's new layer-experts (run or predicted) without and with v_i
+                    # what the round loads: the drafter's experts, and the predicted ones where prefetched
+                    ahead = out.predicted if cfg.prefetch else set()
+                    kept = len((out.footprint | ahead) - resident)
+                    grown = len((out.touched | ahead | (predicted if cfg.prefetch else set())) - resident)
+                    out.footprint = set(out.touched)
                     if not ctl.keep(i, kept, grown, look_ahead):
                         out.truncated = True
                         break
@@ -179,14 +208,17 @@ class SpeculativeDecoder:
     def _price(self, forwards, draft: Draft, accepted: int, prefetched_new: int, misses: int) -> None:
         """The cost controller's observations of one round, from the ledger's forwards of it: the
         draft forwards' wall time, the verify pass's compute, loads and their stall, the misses."""
-        ctl = self.ctl
+        ctl, c = self.ctl, self.ctl.costs
+        nan0 = lambda x: 0.0 if x != x else x  # noqa: E731 - a stall not observable (llama.cpp's page faults)
         drafts = [f for f in forwards if f.phase == "draft"]
-        ctl.costs.observe_draft(len(drafts), sum(f.wall_s for f in drafts))
+        c.observe_draft(len(drafts), sum(f.wall_s - nan0(f.stall_s) for f in drafts))
         for f in forwards:
             if f.phase == "verify":
-                ctl.costs.observe_verify(f.tokens, f.wall_s, f.stall_s, f.loads + prefetched_new)
-        if prefetched_new:
-            ctl.costs.miss_ratio.add(misses / prefetched_new)
+                c.observe_verify(f.tokens, f.wall_s - nan0(f.stall_s), f.loads)
+        c.observe_loads(sum(f.loads for f in forwards) + prefetched_new, sum(f.stall_s for f in forwards))
+        footprint = sum(f.loads for f in drafts) + prefetched_new  # what the drafter brought in
+        if footprint:
+            c.miss_ratio.add(misses / footprint)
         ctl.observe(len(draft.tokens), accepted, draft.new_at)
 
     def verify(self, committed: list[int], draft: list[int]) -> torch.Tensor:
@@ -220,9 +252,10 @@ class SpeculativeDecoder:
         emitted_per_round: list[int] = []  # Spec-Bench's accept_lengths: tokens each round emitted
         prefetch_peak = 0  # the most bytes one round prefetched: the prefetch buffer it needs
         cost_ar_rounds = 0  # rounds the cost controller made AR steps
+        chosen: dict[str, int] = {}  # --method auto: rounds by drafter ("ar": AR steps)
         while len(tokens) < max_new_tokens and tokens[-1] != eos_token_id:
             k_limit = min(cfg.k_max, max_new_tokens - len(tokens) - 1)
-            if self.ctl is not None and k_limit > 0 and not self.ctl.draft_this_round():
+            if k_limit > 0 and not self.choose_round(chosen):
                 k_limit, cost_ar_rounds = 0, cost_ar_rounds + 1  # priced: an AR step pays more here
             eng.begin_round()
             prefetched_before = eng.ledger.prefetch["bytes"]
@@ -275,6 +308,7 @@ class SpeculativeDecoder:
                 "accept_lengths": emitted_per_round,
                 "prefetch_peak_bytes": prefetch_peak,
                 **({"cost_ar_rounds": cost_ar_rounds} if self.ctl is not None else {}),
+                **({"auto_rounds": chosen} if self.choice is not None else {}),
                 **eng.stats(),
             },
         )
