@@ -77,6 +77,21 @@ def test_names_and_overrides():
     assert "draft_cache" not in Cell(method="draftexpert", engine="llama.cpp").method_args(Resolved(draft_experts={}))
 
 
+def test_auto_prices_every_round_and_names_its_drafters():
+    for engine in ("torch", "llama.cpp"):
+        cell = Cell(method="auto", engine=engine)
+        assert cell.round_config().controller == "cost" and cell.label == "auto"
+        args = cell.method_args(Resolved(draft_experts={"sha256": "x"}, top_k=6))
+        assert args["drafters"] == ["draftexpert", "top-1", "top-3"] and args["controller"] == "cost"
+        assert args["draft_experts"] == {"sha256": "x"}
+    top_2 = Cell(method="auto").auto_drafters(Resolved(top_k=2))
+    assert top_2 == ["draftexpert", "top-1"]  # top-3 is no drafter of a top-2 target
+    with pytest.raises(CellError, match="--r does not apply to --method auto"):
+        build({"r"}, method="auto", r=2)
+    with pytest.raises(CellError, match="--controller does not apply to --method auto"):
+        build({"controller"}, method="auto", controller="paper")
+
+
 def test_defaults_are_the_librarys():
     """The command line's speculation defaults are SpecConfig's (one place to change them)."""
     spec = SpecConfig()
