@@ -61,6 +61,15 @@ def _choice(name: str, value, allowed: Iterable) -> None:
         raise CellError(f"{flag(name)}: {value!r} is not one of {', '.join(map(str, allowed))}")
 
 
+def keyed_round(conf: SpecConfig) -> dict:
+    """The round's settings as a key holds them: the paper's controller (the default) left out, so cells
+    measured before the cost controller keep their keys."""
+    rnd = asdict(conf)
+    if rnd["controller"] == "paper":
+        del rnd["controller"]
+    return rnd
+
+
 @dataclass(frozen=True)
 class SpecOptions:
     """A speculative method's options: the drafter's (`r` routed experts for top-r; the
@@ -93,9 +102,7 @@ class SpecOptions:
         return replace(self, **own, round=replace(self.round, **overrides))
 
     def as_dict(self) -> dict:
-        rnd = asdict(self.round)
-        if rnd["controller"] == "paper":  # the default: cells measured before the cost controller keep their keys
-            del rnd["controller"]
+        rnd = keyed_round(self.round)
         return {
             "r": self.r,
             "draft_experts": str(self.draft_experts) if self.draft_experts else None,
@@ -257,9 +264,7 @@ class Cell:
         if self.method == "reference":
             return {}
         spec = self.spec
-        round_args = {k: v for k, v in asdict(self.round_config()).items() if k in ROUND_FIELDS}
-        if round_args["controller"] == "paper":  # the default: cells measured before it keep their keys
-            del round_args["controller"]
+        round_args = {k: v for k, v in keyed_round(self.round_config()).items() if k in ROUND_FIELDS}
         if self.engine == "llama.cpp":
             args = {
                 "expert_type": self.expert_type,

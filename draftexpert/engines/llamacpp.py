@@ -333,7 +333,7 @@ class ExpertPages:
         self._mappings: list[tuple[int, int, int]] | None = None
         self._spans: dict[tuple[int, int], list[tuple[int, int]]] | None = None  # `_index_pages`
         self._shared: dict[int, frozenset] = {}
-        self.populate_into: frozenset[int] | None = None  # start addresses `stage` maps into (None: every mapping)
+        self.populate_into: list[tuple[int, int, int]] | None = None  # the mappings `stage` maps into (None: all)
 
     def ranges(self, layer: int, e: int) -> list[tuple[int, int]]:
         """(file offset, bytes) of expert e's gate_up and down slices (`ExpertFile.ranges`)."""
@@ -417,7 +417,7 @@ class ExpertPages:
         for off, n in ranges:
             os.posix_fadvise(self.fd, off, n, POSIX_FADV_WILLNEED)
         unwaited = ranges
-        into = [m for m in self._mappings or () if self.populate_into is None or m[0] in self.populate_into]
+        into = self._mappings if self.populate_into is None else self.populate_into
         if self._populate and into:
             unwaited = []
             for off, n in ranges:
@@ -540,6 +540,7 @@ class LlamaEngine:
         self._seen: dict[int, dict[int, bool]] = defaultdict(dict)  # this forward's experts per layer → cached before?
         self._since_evict: set[tuple[int, int]] = set()  # every expert staged, faulted or prefetched since the eviction
         self._prefetched: set[tuple[int, int]] = set()  # this round's WILLNEEDs, possibly still in flight
+        self._populate: dict[int, list | None] = {}  # id(model) → the mappings staging populates (`start`)
         for m in self._models:
             if m is not None:
                 m.on_route = self._on_route
@@ -574,10 +575,8 @@ class LlamaEngine:
     def _forward(self, model: LlamaModel, tokens: list[int], phase: str) -> torch.Tensor:
         self._stall.clear()
         self._seen.clear()
-        # stage into the running model's mapping only (the other model's is populated when it runs);
-        # a model whose mapping of the split was not told apart from the others': into every mapping
-        mine = {m[0] for m in self.pages._mappings or ()} & model.mappings
-        self.pages.populate_into = frozenset(mine) if mine else None
+        # stage into the running model's mapping only (the other model's is populated when it runs)
+        self.pages.populate_into = self._populate.get(id(model))
         with self.ledger.forward(phase, len(tokens)):
             logits = model.eval(tokens).copy()  # llama.cpp's buffer is rewritten by later evals
             for layer, seen in sorted(self._seen.items()):
@@ -613,6 +612,9 @@ class LlamaEngine:
             if m is not None:
                 m.reset()
         self.pages.find_mappings()  # the models are loaded: their mappings are known from here on
+        # each model's own mapping(s) of the split; one not told apart from the others': all of them (None)
+        mapped = self.pages._mappings
+        self._populate = {id(m): [x for x in mapped if x[0] in m.mappings] or None for m in self._models if m}
         if self.staging == "resident":
             self.pages.stage_all()
             self._since_evict = set(self.pages.keys)
