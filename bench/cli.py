@@ -74,6 +74,14 @@ TauOpt = Annotated[float, typer.Option("--tau", min=0.0, max=1.0, help="Confiden
 BudgetOpt = Annotated[
     int, typer.Option("--budget", min=0, help="B: layer-experts an unconfident draft token may add to the verify set.")
 ]
+CalibrationOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--calibration",
+        help="auto / --controller cost: a `bench plan --speculation` profile (runs/plan-…/profile.json) whose "
+        "per-position acceptance the controller starts from (recorded in the cell's key).",
+    ),
+]
 DraftExpertsOpt = Annotated[
     Path | None,
     typer.Option(
@@ -304,15 +312,48 @@ def plan(
     distill_steps: Annotated[
         int | None, typer.Option("--distill-steps", min=1, help="--reproduce: steps per preset")
     ] = None,
+    speculation: Annotated[
+        bool,
+        typer.Option(
+            "--speculation",
+            help="Will speculation pay here? Calibrate AR and each fixed speculative setting on held-out prompts "
+            "(decodes; a few seconds a method on a tiny model), then print each one's predicted speed-up on this "
+            "storage and at each --cap (--engine, --read-bw, --max-new-tokens, --threads, --measured).",
+        ),
+    ] = False,
+    engine: EngineOpt = "torch",
+    read_bw: ReadBwOpt = None,
+    caps: Annotated[
+        list[str] | None,
+        typer.Option("--cap", help="--speculation: read caps to predict at (default 16, 64, 128 MB/s on mn)"),
+    ] = None,
+    max_new_tokens: Annotated[
+        int, typer.Option("--max-new-tokens", min=1, help="--speculation: tokens per calibration prompt")
+    ] = 32,
+    threads: ThreadsOpt = None,
+    measured: Annotated[
+        Path | None,
+        typer.Option(
+            "--measured",
+            help="--speculation: a regime sweep's JSON (`bench compare --set regime --json`) to "
+            "print the prediction beside",
+        ),
+    ] = None,
+    out: OutOpt = None,
     as_json: JsonOpt = False,
 ):
     """Where a model's bytes go on a platform, from its config alone (no weights needed), as the
     runtime holds them today, and whether that fits; `bench run` checks the same plan before
-    loading. Exit 1 when it does not fit."""
+    loading. Exit 1 when it does not fit. With --speculation: whether speculation pays here,
+    from a short calibration."""
     from draftexpert.runtime.params import GIB, WontFit, available_host_bytes, check_fits
     from draftexpert.runtime.params import plan as make_plan
 
     check_model(model)
+    if speculation:
+        _plan_speculation(model, model_path, platform, engine, expert_type, k_max, read_bw, caps, max_new_tokens,
+                          threads, measured, out, as_json)  # fmt: skip
+        return
     if reproduce:
         _plan_reproduce(model, model_path, platform, cuda, host_mem, gpu_mem, distill_steps, seq_len, batch_size,
                         dtype, as_json)  # fmt: skip
@@ -401,6 +442,50 @@ def plan(
     emit(p, as_json, text)
     if not p["fits"]:
         raise typer.Exit(1)
+
+
+def _plan_speculation(model, model_path, platform, engine, expert_type, k_max, read_bw, caps, max_new_tokens,
+                      threads, measured, out, as_json):  # fmt: skip
+    from bench.steps import speculation_plan as sp
+
+    regime = None
+    if measured is not None:
+        try:
+            regime = json.loads(measured.read_text())
+            regime["caps"]  # noqa: B018 - a regime sweep's JSON
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            fail(f"--measured: {measured} is not a regime sweep's JSON (`bench compare --set regime --json`): {e}")
+    cell = make_cell(
+        {"read_bw"} if read_bw else set(),
+        model=model,
+        method="draftexpert",
+        platform=platform,
+        engine=engine,
+        expert_type=expert_type,
+        max_new_tokens=max_new_tokens,
+        read_bw=read_bw,
+        k_max=k_max,
+    )
+    if caps and platform != "mn":
+        fail(f"--cap: platform {platform} reads nothing from storage (mn does)")
+    cap_list = [None] + [_read_bw(c) for c in caps or (["16MB/s", "64MB/s", "128MB/s"] if platform == "mn" else [])]
+    folder = resolve_or_fail(model, model_path)
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+    out_dir = _run_dir(out, sp.profile_dir(REPO_ROOT, cell))
+    with _named_errors(), _resumable(out_dir):
+        profile = sp.calibrate(
+            cell, folder, sp.held_out_prompts(None), out_dir, lambda qt: expert_file(model, folder, qt), _machine(), log
+        )
+    pred = sp.predict(profile, cap_list)
+    text = sp.table(profile, pred)
+    result = {"profile": profile, "predicted": {str(c): p for c, p in pred.items()}}
+    if regime is not None:
+        result["against"] = sp.against(profile, regime)
+        text += f"\n\nPredicted beside measured ({measured}):\n" + sp.against_table(result["against"])
+    emit(result, as_json, text + f"\n\n({out_dir / sp.PROFILE})")
 
 
 @app.command()
@@ -829,6 +914,7 @@ def run(
         ),
     ] = SPEC.controller,
     draft_experts: DraftExpertsOpt = None,
+    calibration: CalibrationOpt = None,
     compile: CompileOpt = False,
     engine: EngineOpt = "torch",
     staging: StagingOpt = "demand",
@@ -891,9 +977,14 @@ def run(
         draft_cache=draft_cache,
         controller=controller,
         draft_experts=draft_experts,
+        calibration=calibration,
     )
     folder = resolve_or_fail(model, model_path)
     recs = _prompts_and_threads(suite, limit, threads, from_hub, prompts_file, folder, engine)  # before any folder
+    if cell.speculative:  # will it pay here? the calibration's prediction, or how to get one
+        from bench.steps.speculation_plan import note
+
+        log(note(REPO_ROOT, cell))
     run_dir = _run_dir(out, cell.run_dir(REPO_ROOT))
     with _named_errors(), _resumable(run_dir):
         decoder, tokenizer, cfg = make_decoder(cell, folder, lambda qt: expert_file(model, folder, qt))
@@ -953,6 +1044,7 @@ def compare(
     tau: TauOpt = SPEC.tau,
     budget: BudgetOpt = SPEC.budget,
     draft_experts: DraftExpertsOpt = None,
+    calibration: CalibrationOpt = None,
     threads: ThreadsOpt = None,
     compile: CompileOpt = False,
     engine: EngineOpt = "torch",
@@ -1027,6 +1119,7 @@ def compare(
             log=log,
             method_set=method_set,
             caps=cap_list,
+            calibration=calibration,
         )
     if method_set == "regime":
         from paper_figs.regime import table as regime_table

@@ -37,6 +37,9 @@ Relative to AR (`relative`):
   verify_cost_x_ar    = verify_forward_s / AR's ar_forward_s            (Table 4)
 Against the storage (`physical_limit_tps`):
   physical limit      = read bandwidth / (moved_bytes / (new_tokens − 1))   (tokens/s with free compute)
+  predicted TPS       = 1 / max(bytes per token / read bandwidth, seconds per token as calibrated)
+                        (`predicted_tps`: a calibrated roofline — the slower of moving the bytes and
+                        running as measured on the calibration's own, faster, storage)
 The verify-block sweep (Figs. 4–5, `verify_sweep_curves`; one cold forward per (prompt, start, L)):
   unique(L)           = mean over (prompt, start) of Σ_l |∪ top-k over the block|
   cost ×AR(L)         = mean over (prompt, start) of wall(L) / wall(1)   (L = 1 is one AR step)
@@ -251,3 +254,17 @@ def physical_limit_tps(row: dict, read_bw: float | None) -> float | None:
     token (on-demand loads + prefetches, decode phase) — no compute, no latency, perfect overlap."""
     per_token = _ratio(row.get("moved_bytes"), row.get("decode_tokens"))
     return read_bw / per_token if read_bw and per_token else None
+
+
+def predicted_tps(row: dict, read_bw: float | None) -> float | None:
+    """Tokens/s a method is predicted to decode at storage read bandwidth `read_bw`, from a row measured
+    on faster storage (its calibration): the slower of moving its bytes per emitted token at `read_bw`
+    and decoding as measured — storage reads overlap compute (staging reads ahead of the forward), so a
+    token takes whichever is longer. `read_bw` None: the calibration's own storage (its measured rate)."""
+    tps = row.get("decode_tps")
+    if not tps or tps != tps:
+        return None
+    if not read_bw:
+        return tps
+    per_token = _ratio(row.get("moved_bytes"), row.get("decode_tokens"))
+    return 1.0 / max(per_token / read_bw, 1.0 / tps) if per_token else tps

@@ -494,3 +494,24 @@ def test_auto_is_exact_whichever_drafter_each_round_takes(models, store):
         assert set(out.stats["auto_rounds"]) == {forced or "ar"}
     with pytest.raises(ValueError, match="shared"):
         TorchEngine(model, draft_cache="own", drafters={"top-1": drafter(model, "top-1")})
+
+
+@pytest.mark.parametrize("store", ["flash"])
+def test_under_auto_only_the_drafters_named_prefetch(models, store):
+    """`prefetching`: a round of a drafter outside it prefetches nothing (auto's top-r, as the sweep's
+    fixed top-r); one inside it prefetches its predicted verify experts; tokens equal AR's either way."""
+    model = models[1][store]
+    model.experts.capacity = 0
+    model.experts.cache.clear()
+    names = ["de-random", "top-1"]
+    engine = TorchEngine(model, drafters={n: drafter(model, n) for n in names})
+    trace: list = []
+    dec = SpeculativeDecoder(engine, SpecConfig(k_max=4, controller="cost"), trace, drafters=names,
+                             prefetching={"de-random"})  # fmt: skip
+    for forced in names:
+        dec.choice.choose = lambda forced=forced: forced
+        trace.clear()
+        ids = prompt(5, 8)
+        assert dec.generate(ids, 24).tokens == ar_tokens(model, ids)
+        prefetched = sum(len(r["prefetched"]) for r in trace)
+        assert (prefetched > 0) == (forced == "de-random"), forced

@@ -42,6 +42,9 @@ DTYPES: tuple[str, ...] = get_args(Dtype)
 SPEC_METHODS = ("top-r", "draftexpert", "pld", "auto")
 # `--method auto`: the drafters a round chooses among by price, AR steps included (`DrafterChoice`)
 AUTO_TOP_R = (1, 3)  # shared + top-r drafters beside DraftExpert (those below the target's top-k)
+# … and which prefetch: DraftExpert its draft router's prediction (the paper's); top-r none, as the sweep's
+# fixed top-r (a misprediction is a wasted load, and the price credits no overlap to make up for it)
+AUTO_PREFETCHING = {"draftexpert"}
 STAGINGS = {"torch": tuple(TORCH_STAGING), "llama.cpp": ("demand", "pagefault")}
 EXPERT_KERNELS = ("auto", *KERNELS)
 
@@ -130,6 +133,7 @@ class Resolved:
     threads: int = 1  # llama.cpp: its threads
     weights: str = ""  # the checkpoint's fingerprint
     top_k: int = 0  # the target's routed experts per token (`--method auto`: which top-r drafters exist)
+    calibration: dict | None = None  # the cost controller's prior: the profile's hash, date and rows
 
 
 @dataclass(frozen=True)
@@ -157,6 +161,7 @@ class Cell:
     expert_kernel: str = "auto"  # EXPERT_KERNELS
     head_type: str = "checkpoint"  # loader.HEAD_TYPES
     compile: bool = False
+    calibration: Path | None = None  # a `bench plan --speculation` profile: the cost controller's acceptance prior
     spec: SpecOptions = field(default_factory=SpecOptions)
 
     def __post_init__(self):
@@ -173,6 +178,11 @@ class Cell:
             _choice(name, getattr(self, name), allowed)
         if self.method == "reference":
             return
+        if self.calibration is not None and not self.priced:
+            raise CellError(
+                "--calibration: a calibration is the cost controller's prior; it applies to --method auto and "
+                "--controller cost (top-r / draftexpert)"
+            )
         _choice("staging", self.staging, STAGINGS[self.engine])
         if self.engine == "llama.cpp":
             if self.method not in ("ar", *SPEC_METHODS):
@@ -217,6 +227,13 @@ class Cell:
     @property
     def speculative(self) -> bool:
         return self.method in SPEC_METHODS
+
+    @property
+    def priced(self) -> bool:
+        """Whether the cost controller prices its rounds (`--method auto`, `--controller cost`)."""
+        return self.method == "auto" or (
+            self.method in ("top-r", "draftexpert") and self.spec.round.controller == "cost"
+        )
 
     @property
     def positions(self) -> int:
@@ -280,6 +297,7 @@ class Cell:
                 args["draft_experts"] = resolved.draft_experts
             if self.method == "auto":
                 args["drafters"] = self.auto_drafters(resolved)
+                args["prefetching"] = sorted(AUTO_PREFETCHING)
             if self.method == "pld":
                 args.update(self._pld_args())
             elif self.speculative:
@@ -314,8 +332,11 @@ class Cell:
                     args["draft_experts"] = resolved.draft_experts
                 if self.method == "auto":
                     args["drafters"] = self.auto_drafters(resolved)
+                    args["prefetching"] = sorted(AUTO_PREFETCHING)
         if self.read_bw:
             args["read_bw"] = self.read_bw  # a capped cell is another cell
+        if resolved.calibration:
+            args["calibration"] = resolved.calibration  # the controller's prior: its profile's hash and rows
         return args
 
     def auto_drafters(self, resolved: Resolved = Resolved()) -> list[str]:

@@ -17,8 +17,19 @@ from pathlib import Path
 import torch
 
 from baselines.ar import AROffloadDecoder
+from bench.cells import calibration
 from bench.cells.artifacts import experts_dir, llama_head_for, load_draft_experts_for
-from bench.cells.cell import DTYPES, ENGINES, METHODS, PLATFORMS, Cell, CellError, Resolved, SpecOptions
+from bench.cells.cell import (
+    AUTO_PREFETCHING,
+    DTYPES,
+    ENGINES,
+    METHODS,
+    PLATFORMS,
+    Cell,
+    CellError,
+    Resolved,
+    SpecOptions,
+)
 from bench.suites.prompts import check_prompt_lengths, render_prompt
 from draftexpert.engines.llamacpp import ExpertPages, LlamaEngine, LlamaModel, require_llama_cpp
 from draftexpert.engines.reference import ReferenceDecoder
@@ -207,7 +218,7 @@ def make_llama_decoder(cell: Cell, folder: Path, expert_file: Callable[[str], Pa
             staging_budget=budget,
             drafters=drafters,
         )
-        decoder = SpeculativeDecoder(engine, cell.round_config(), drafters=names)
+        decoder = SpeculativeDecoder(engine, cell.round_config(), drafters=names, prefetching=AUTO_PREFETCHING)
     else:
         if cell.method == "top-r":
             drafter_head, used, name = target_head, cell.spec.r, cell.label
@@ -253,13 +264,18 @@ def make_decoder(cell: Cell, folder: Path, expert_file: Callable[[str], Path] | 
             raise CellError(
                 f"--r: {cell.spec.r} must be below the target's top-k ({top_k}); r = {top_k} is the target itself"
             )
+    top_k = load_config(folder).num_experts_per_tok
+    if cell.calibration is not None:  # read before anything loads: a bad profile fails fast
+        drafters = cell.auto_drafters(Resolved(top_k=top_k)) if cell.method == "auto" else [cell.label]
+        prior, calibrated = calibration.priors(cell.calibration, cell.model, drafters, cell.round_config().k_max)
     if cell.engine == "llama.cpp":
         decoder, tokenizer, resolved = make_llama_decoder(cell, folder, expert_file, torch.get_num_threads())
     else:
         decoder, tokenizer, resolved = _make_torch_decoder(cell, folder, expert_file)
-    resolved = replace(  # results of other weights are other cells
-        resolved, weights=weights_fingerprint(folder), top_k=load_config(folder).num_experts_per_tok
-    )
+    resolved = replace(resolved, weights=weights_fingerprint(folder), top_k=top_k)  # other weights: other cells
+    if cell.calibration is not None:
+        decoder.warm_start(prior, calibration.PRIOR_ROUNDS)
+        resolved = replace(resolved, calibration=calibrated)
     return decoder, tokenizer, cell.config(resolved)
 
 
@@ -322,7 +338,9 @@ def _make_torch_decoder(cell: Cell, folder: Path, expert_file: Callable[[str], P
             else make_draft_path(target, "top-r", r=int(n.split("-")[1]))
             for n in names
         }
-        decoder = SpeculativeDecoder(TorchEngine(target, drafters=paths), conf, drafters=names)
+        decoder = SpeculativeDecoder(
+            TorchEngine(target, drafters=paths), conf, drafters=names, prefetching=AUTO_PREFETCHING
+        )
     else:
         conf = cell.round_config()
         path = make_draft_path(target, cell.method, r=cell.spec.r, experts=experts)

@@ -90,11 +90,13 @@ def compare(
     log=print,
     method_set: str = "table2",
     caps: list[int | None] | None = None,
+    calibration: Path | None = None,
 ) -> dict:
     """One set's methods through the runner, then one row per method from the records. Each method's
     cell is `base` with the set's overrides; `base.read_bw` caps the storage reads of every cell
     (`bench.runs.readcap`); the `regime` set repeats Table 2's methods under each of `caps` (default
-    REGIME_CAPS), each cap in its own sub-folder."""
+    REGIME_CAPS), each cap in its own sub-folder. `calibration`: a profile the cells whose rounds are
+    priced (auto, the cost controller) start their acceptance from."""
     platform, read_bw = base.platform, base.read_bw
     if method_set == "regime":
         per_cap = []
@@ -102,7 +104,18 @@ def compare(
             log(f"=== read cap {cap / 1e6:.0f} MB/s" if cap else "=== uncapped")
             sub = out_dir / (f"cap-{cap // 10**6}MBps" if cap else "uncapped")
             per_cap.append(
-                compare(base.with_(read_bw=cap), folder, prompts, sub, expert_file, machine, labels, log, REGIME_CELL)
+                compare(
+                    base.with_(read_bw=cap),
+                    folder,
+                    prompts,
+                    sub,
+                    expert_file,
+                    machine,
+                    labels,
+                    log,
+                    REGIME_CELL,
+                    calibration=calibration,
+                )  # fmt: skip
             )
         return {"model": base.model, "platform": platform, "engine": base.engine, "set": "regime", "caps": per_cap}
     rows = {}
@@ -138,6 +151,8 @@ def compare(
                 staging_budget=0,
                 **over,
             )
+        if calibration is not None and cell.priced:
+            cell = cell.with_(calibration=calibration)
         try:
             decoder, tokenizer, cfg = make_decoder(cell, folder, expert_file)
         except WontFit as e:

@@ -49,14 +49,13 @@ class CostModel:
     a draft forward's compute (`draft_s`); a verify pass's compute for its first position (`verify_s`)
     and each further one (`position_s`); one layer-expert loaded in the round (`load_s`: by the drafter,
     prefetched or on demand by the verify pass alike — the storage moves each byte once either way; no
-    overlap with compute is credited, so the estimate errs towards stopping). loads(k) = the block's
-    new layer-experts (what the drafter ran and predicted over x_0 … v_k, less what was on the
-    accelerator) × (1 + the measured miss ratio: experts the verify pass loaded itself)."""
+    overlap with compute is credited, so the estimate errs towards stopping). loads(k) is the
+    controller's (`CostController.loads`: the drafter's footprint scaled to what rounds measured)."""
 
     def __init__(self, shared: CostModel | None = None):
         """`shared`: another drafter's model on the same engine — the verify pass's prices are the
-        engine's (one estimate for both); a draft forward's cost and the miss ratio are each drafter's."""
-        self.draft_s, self.miss_ratio = Ema(), Ema(0.0)
+        engine's (one estimate for both); a draft forward's cost is each drafter's."""
+        self.draft_s = Ema()
         if shared is not None:
             self.verify_s, self.position_s, self.load_s, self.ar_loads = (
                 shared.verify_s,
@@ -72,8 +71,7 @@ class CostModel:
     def ready(self) -> bool:
         return None not in (self.draft_s.value, self.verify_s.value, self.load_s.value, self.ar_loads.value)
 
-    def round_s(self, forwards: int, positions: int, new_experts: float) -> float:
-        loads = new_experts * (1 + self.miss_ratio.value)
+    def round_s(self, forwards: int, positions: int, loads: float) -> float:
         return (
             self.draft_s.value * forwards
             + self.verify_s.value
@@ -113,6 +111,17 @@ class Acceptance:
     def __init__(self, k_max: int, strength: float = 2.0):
         self.trials, self.accepted = [0] * k_max, [0] * k_max
         self.strength = strength  # pseudo-trials each position borrows from the one before it
+
+    def warm(self, drafted_at: list[int], accepted_at: list[int], rounds: int) -> None:
+        """Start from another run's counts (`metrics.RoundStats`: rounds that drafted ≥ j+1 / accepted
+        position j+1), scaled to weigh at most `rounds` rounds. v_j was judged in the rounds that
+        drafted it and accepted every earlier one: min(drafted_at[j], accepted_at[j−1]) — exact for a
+        fixed K, an upper estimate where truncation cut rounds."""
+        scale = min(1.0, rounds / drafted_at[0]) if drafted_at and drafted_at[0] else 0.0
+        for j in range(min(len(self.trials), len(drafted_at))):
+            judged = drafted_at[j] if j == 0 else min(drafted_at[j], accepted_at[j - 1])
+            self.trials[j] += judged * scale
+            self.accepted[j] += min(accepted_at[j], judged) * scale
 
     def add(self, drafted: int, accepted: int) -> None:
         for j in range(min(drafted, accepted + 1)):  # v_j was judged iff every earlier one passed
@@ -158,10 +167,19 @@ class CostController:
         explore_max: int = 256,
         costs: CostModel | None = None,
         optimism: float = 1.0,
+        prior: tuple[list[int], list[int]] | None = None,
+        prior_rounds: int = 32,
     ):
+        """`prior`: (drafted_at, accepted_at) of a calibration (`Acceptance.warm`), weighing at most
+        `prior_rounds` rounds."""
         self.k_max, self.explore, self.explore_max, self.optimism = k_max, explore, explore_max, optimism
         self.costs, self.acc = costs or CostModel(), Acceptance(k_max)
-        self.new_per_position = Ema()  # new layer-experts a kept draft position adds
+        if prior is not None:
+            self.acc.warm(*prior, prior_rounds)
+        # the round's footprint in the drafter's terms: what it ran (and predicted, with prefetch), new
+        self.x0_new = Ema()  # … after x_0's forward
+        self.new_per_position = Ema()  # … added by each kept draft position
+        self.load_scale = Ema()  # the round's measured loads ÷ that footprint (verify misses, waste)
         self.rounds = self.ar_rounds = 0
         self.interval, self.since_draft = explore, 0  # AR rounds between explorations, and since the last draft
 
@@ -170,7 +188,17 @@ class CostController:
         (`optimism`): a drafter or a depth judged rarely is tried until its estimate is tight enough
         to rule it out (optimism in the face of uncertainty, as a bandit's UCB)."""
         forwards = k + 1 if look_ahead else max(k, 1)  # x_0's forward, and v_K's when prefetch / truncation read it
-        return self.acc.expected_tokens(k, self.optimism) / self.costs.round_s(forwards, k + 1, new_experts)
+        return self.acc.expected_tokens(k, self.optimism) / self.costs.round_s(forwards, k + 1, self.loads(new_experts))
+
+    def loads(self, new_experts: float) -> float:
+        """Layer-experts a round whose footprint adds `new_experts` loads: all of them, each the verify
+        pass needed beside them (the drafter ran top-r of 6, or mispredicted), and each wasted prefetch —
+        the footprint scaled by the ratio rounds measured (1 before any)."""
+        return new_experts * (self.load_scale.value or 1.0)
+
+    def round_x0(self) -> float:
+        """x_0's new layer-experts in the drafter's footprint (an AR step's loads before a round is seen)."""
+        return self.x0_new.value if self.x0_new.value is not None else self.costs.ar_loads.value
 
     def best_rate_from(self, k: int, new_experts: float, look_ahead: bool) -> float:
         """The best rate of drafting to any k' ≥ k, positions past k at the mean new experts."""
@@ -194,7 +222,7 @@ class CostController:
 
     def priced_drafting(self, x0_new: float | None = None) -> bool:
         """Whether a drafted round is priced above an AR step."""
-        x0 = self.costs.ar_loads.value if x0_new is None else x0_new
+        x0 = self.round_x0() if x0_new is None else x0_new
         drafting = self.best_rate_from(1, x0 + (self.new_per_position.value or 0.0), look_ahead=True)
         return drafting > 1.0 / self.costs.ar_round_s()
 
@@ -205,11 +233,19 @@ class CostController:
             return True
         return self.best_rate_from(i, candidate_new, look_ahead) > self.rate(i - 1, kept_new, look_ahead)
 
-    def observe(self, drafted: int, accepted: int, new_per_kept: list[int]) -> None:
-        """After a round: its acceptance, and the new experts each kept draft position added."""
+    def observe(
+        self, drafted: int, accepted: int, new_per_kept: list[int], x0_new: int | None = None, loads: int | None = None
+    ) -> None:
+        """After a round: its acceptance, the new layer-experts of its footprint after x_0 and per kept
+        draft position, and the layer-experts it loaded (any forward, prefetches included)."""
         self.acc.add(drafted, accepted)
         for n in new_per_kept:
             self.new_per_position.add(n)
+        if x0_new is not None:
+            self.x0_new.add(x0_new)
+            footprint = x0_new + sum(new_per_kept)
+            if loads is not None and footprint:
+                self.load_scale.add(loads / footprint)
 
 
 class DrafterChoice:
@@ -221,11 +257,21 @@ class DrafterChoice:
     acceptance would otherwise never move); the interval doubles while the choice stays (up to
     `explore_max`) and is reset when the priced choice changes."""
 
-    def __init__(self, names: list[str], k_max: int, explore: int = 16, explore_max: int = 256):
+    def __init__(
+        self,
+        names: list[str],
+        k_max: int,
+        explore: int = 16,
+        explore_max: int = 256,
+        priors: dict[str, tuple[list[int], list[int]]] | None = None,
+    ):
+        """`priors`: each drafter's calibration counts (`CostController`'s `prior`)."""
         if not names:
             raise ValueError("auto: at least one drafter")
-        shared = CostModel()
-        self.arms = {n: CostController(k_max, explore, explore_max, CostModel(shared)) for n in names}
+        shared, priors = CostModel(), priors or {}
+        self.arms = {
+            n: CostController(k_max, explore, explore_max, CostModel(shared), prior=priors.get(n)) for n in names
+        }
         self.explore, self.explore_max = explore, explore_max
         self.interval, self.since_change, self.best = explore, 0, None
         self.last_drafted = dict.fromkeys(names, -1)  # round each drafter last drafted
@@ -235,8 +281,7 @@ class DrafterChoice:
         """Priced tokens/s of each drafter's best round, and of an AR step (None)."""
         out: dict[str | None, float] = {}
         for n, arm in self.arms.items():
-            x0 = arm.costs.ar_loads.value
-            out[n] = arm.best_rate_from(1, x0 + (arm.new_per_position.value or 0.0), look_ahead=True)
+            out[n] = arm.best_rate_from(1, arm.round_x0() + (arm.new_per_position.value or 0.0), look_ahead=True)
         out[None] = 1.0 / next(iter(self.arms.values())).costs.ar_round_s()
         return out
 

@@ -70,6 +70,7 @@ class Draft:
     touched_at: list[int] = field(default_factory=list)  # |touched| when v_j was proposed (Fig. 3)
     prefetched: set[Key] = field(default_factory=set)
     new_at: list[int] = field(default_factory=list)  # the cost controller: new layer-experts each kept v_j added
+    x0_new: int | None = None  # the cost controller: new layer-experts after x_0's forward
     footprint: set[Key] = field(default_factory=set)  # the cost controller: touched before v_i's forward
 
 
@@ -104,19 +105,33 @@ class SpeculativeDecoder:
         trace: list | None = None,
         lookup: Lookup | None = None,
         drafters: list[str] | None = None,
+        prefetching: set[str] | None = None,
     ):
         """`drafters`: `--method auto` — the engine's drafters (`engine.select_drafter`) a round chooses
-        among by price, AR included (`controller.DrafterChoice`; the cost controller's stop rule)."""
+        among by price, AR included (`controller.DrafterChoice`; the cost controller's stop rule);
+        `prefetching`: those of them whose rounds prefetch (with `config.prefetch`; default all)."""
         self.engine, self.cfg, self.lookup = engine, config, lookup  # lookup: prompt lookup drafts, no forward
         self._vocab = 0
         self.name = engine.name
         self.trace = trace  # when a list: one dict per round (sets and tokens) for audits and tests
         # the cost controller learns this engine's prices across prompts (`--controller cost`)
         self.choice = DrafterChoice(drafters, config.k_max) if drafters else None
+        self._prefetch = config.prefetch  # the round's prefetch: config's, or the chosen drafter's under auto
+        self.prefetching = set(drafters or ()) if prefetching is None else set(prefetching)
         if self.choice is not None:
             self.ctl = next(iter(self.choice.arms.values()))
         else:
             self.ctl = CostController(config.k_max) if config.controller == "cost" else None
+
+    def warm_start(self, priors: dict[str, tuple[list[int], list[int]]], rounds: int = 32) -> None:
+        """Start the cost controller's acceptance from a calibration's counts (`Acceptance.warm`):
+        per drafter under `--method auto`, the one drafter's (any key) under `--controller cost`."""
+        if self.choice is not None:
+            for name, arm in self.choice.arms.items():
+                if name in priors:
+                    arm.acc.warm(*priors[name], rounds)
+        elif self.ctl is not None and priors:
+            self.ctl.acc.warm(*next(iter(priors.values())), rounds)
 
     def choose_round(self, chosen: dict[str, int]) -> bool:
         """Whether this round drafts: the cost controller's call (`--controller cost`), or under
@@ -129,6 +144,7 @@ class SpeculativeDecoder:
             return False
         self.engine.select_drafter(arm)
         self.ctl = self.choice.arms[arm]
+        self._prefetch = self.cfg.prefetch and arm in self.prefetching
         return True
 
     def close(self) -> None:
@@ -148,7 +164,8 @@ class SpeculativeDecoder:
             return self.lookup_draft(committed, k_limit)
         cfg, eng, ctl = self.cfg, self.engine, self.ctl
         # Ê of every kept token, the last one included: truncation, prefetch and the cost controller read it
-        look_ahead = cfg.truncate or cfg.prefetch or ctl is not None
+        prefetch = self._prefetch
+        look_ahead = cfg.truncate or prefetch or ctl is not None
         out = Draft()
         resident = eng.resident() if ctl is not None else set()  # the cost controller: what the round need not load
         logits = self._draft_forward(committed[eng.draft_length :], out)  # consumes x_0 (and any pending)
@@ -163,9 +180,11 @@ class SpeculativeDecoder:
                 predicted = eng.predicted()
                 if ctl is not None:  # priced: the round's new layer-experts (run or predicted) without and with v_i
                     # what the round loads: the drafter's experts, and the predicted ones where prefetched
-                    ahead = out.predicted if cfg.prefetch else set()
+                    ahead = out.predicted if prefetch else set()
                     kept = len((out.footprint | ahead) - resident)
-                    grown = len((out.touched | ahead | (predicted if cfg.prefetch else set())) - resident)
+                    if i == 1:
+                        out.x0_new = kept
+                    grown = len((out.touched | ahead | (predicted if prefetch else set())) - resident)
                     out.footprint = set(out.touched)
                     if not ctl.keep(i, kept, grown, look_ahead):
                         out.truncated = True
@@ -202,12 +221,12 @@ class SpeculativeDecoder:
         """Û_i = Û_{i−1} ∪ Ê_i (Eq. 12); prefetch what is new to Û."""
         new = predicted - out.predicted
         out.predicted |= predicted
-        if self.cfg.prefetch and new:
+        if self._prefetch and new:
             out.prefetched |= self.engine.prefetch(new)
 
-    def _price(self, forwards, draft: Draft, accepted: int, prefetched_new: int, misses: int) -> None:
+    def _price(self, forwards, draft: Draft, accepted: int, prefetched_new: int) -> None:
         """The cost controller's observations of one round, from the ledger's forwards of it: the
-        draft forwards' wall time, the verify pass's compute, loads and their stall, the misses."""
+        draft forwards' wall time, the verify pass's compute, the round's loads and their stall."""
         ctl, c = self.ctl, self.ctl.costs
         nan0 = lambda x: 0.0 if x != x else x  # noqa: E731 - a stall not observable (llama.cpp's page faults)
         drafts = [f for f in forwards if f.phase == "draft"]
@@ -215,11 +234,9 @@ class SpeculativeDecoder:
         for f in forwards:
             if f.phase == "verify":
                 c.observe_verify(f.tokens, f.wall_s - nan0(f.stall_s), f.loads)
-        c.observe_loads(sum(f.loads for f in forwards) + prefetched_new, sum(f.stall_s for f in forwards))
-        footprint = sum(f.loads for f in drafts) + prefetched_new  # what the drafter brought in
-        if footprint:
-            c.miss_ratio.add(misses / footprint)
-        ctl.observe(len(draft.tokens), accepted, draft.new_at)
+        loads = sum(f.loads for f in forwards) + prefetched_new
+        c.observe_loads(loads, sum(f.stall_s for f in forwards))
+        ctl.observe(len(draft.tokens), accepted, draft.new_at, draft.x0_new, loads)
 
     def verify(self, committed: list[int], draft: list[int]) -> torch.Tensor:
         """Target logits [K+1, V] at [x_0, v_1 … v_K]; position j judges v_{j+1}."""
@@ -274,13 +291,7 @@ class SpeculativeDecoder:
             emitted = emitted[: max_new_tokens - len(tokens)]
             stats.add(draft, min(accepted, len(emitted)), verify_unique=len(needed))
             if self.ctl is not None:
-                self._price(
-                    eng.ledger.forwards[first_forward:],
-                    draft,
-                    accepted,
-                    len(pf - resident),
-                    len(needed - resident - pf),
-                )
+                self._price(eng.ledger.forwards[first_forward:], draft, accepted, len(pf - resident))
             emitted_per_round.append(len(emitted))
             if self.trace is not None:
                 self.trace.append(
