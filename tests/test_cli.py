@@ -50,6 +50,8 @@ def test_reproduce_writes_fig1a_and_lists_pending(tmp_path):
     assert p.returncode == 0, p.stderr
     s = json.loads(p.stdout)
     assert not (tmp_path / "spec_compare_ml-tiny_mn.json").exists()  # --model: only the models named
+    plan = (tmp_path / "plan_ds-tiny_mn.md").read_text()  # will speculation pay: predicted, beside the regime
+    assert "Will speculation pay? ds-tiny on mn, engine torch" in plan and "| top-3-k8 |" in plan
     for model in ("ds-tiny",):
         spec = json.loads((tmp_path / f"spec_compare_{model}_mn.json").read_text())
         assert set(spec["methods"]) == {

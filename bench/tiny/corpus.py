@@ -24,7 +24,7 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 from bench.suites import prompts
-from bench.suites.sources import Package, deb_version, extract, fetch
+from bench.suites.sources import Package, SourceError, deb_version, extract, fetch
 
 NGRAM = 13  # contamination n-gram length (words), as in GPT-3's and Llama's decontamination
 VAL_FRACTION = 0.02
@@ -212,12 +212,23 @@ def ngrams(text: str, n: int = NGRAM) -> set[int]:
     return {hash(" ".join(w[i : i + n])) for i in range(len(w) - n + 1)}
 
 
-def eval_ngrams(offline: bool = False) -> set[int]:
-    """13-gram hashes of every prompt in the full pools of all six evaluation suites."""
+def eval_ngrams(offline: bool = False, report: dict | None = None) -> set[int]:
+    """13-gram hashes of every prompt in the full pools of all six evaluation suites. A suite whose
+    pool cannot be had (its archive gone from the index, or offline without it cached) is
+    decontaminated against its committed prompts instead — the prompts every table decodes — and
+    `report` (suite → what was used) says so."""
     grams: set[int] = set()
     for cat in prompts.SUITES:
-        for _, text in prompts.all_prompts(cat, offline=offline):
+        try:
+            pool = [text for _, text in prompts.all_prompts(cat, offline=offline)]
+            used = f"full pool ({len(pool)} prompts)"
+        except (SourceError, OSError) as e:
+            pool = [r["prompt"] for r in prompts.load(cat)]
+            used = f"committed prompts only ({len(pool)}): the full pool could not be read — {e}"
+        for text in pool:
             grams |= ngrams(text)
+        if report is not None:
+            report[cat] = used
     return grams
 
 
@@ -243,11 +254,16 @@ def cap_document(text: str, cap: int) -> str:
 def build(out_dir: Path, log=print) -> dict:
     """Assemble the corpus into `out_dir`; return the manifest."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    grams = eval_ngrams()
+    against: dict[str, str] = {}
+    grams = eval_ngrams(report=against)
     log(f"decontamination: {len(grams):,} {NGRAM}-grams from the evaluation suites")
+    for cat, used in against.items():
+        if not used.startswith("full pool"):
+            log(f"warning: {cat}: decontaminated against its {used}")
     manifest = {
         "seed": SEED,
         "ngram": NGRAM,
+        "decontaminated_against": against,
         "val_fraction": VAL_FRACTION,
         "val_doc_cap_bytes": VAL_DOC_CAP,
         "python": sys.version.split()[0],
