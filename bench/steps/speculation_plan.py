@@ -26,7 +26,6 @@ PROFILE = "profile.json"
 PER_SUITE = 1  # held-out prompts per suite the calibration decodes
 # The sweep's fixed settings (the adaptive ones — the cost controller, auto — choose among these per round).
 CALIBRATED = ["ar", "top-1", "top-2", "top-3", "draftexpert", "top-3-k8", "draftexpert-k8", "pld"]
-AUTO_DRAFTERS = {"draftexpert", "top-1", "top-3"}  # --method auto's drafters at K_max = 4 (and top-3-k8 at 8)
 KEEP = ("decode_tps", "decode_tokens", "moved_bytes", "mib_per_token", "acceptance", "loading_share",
         "drafted_at", "accepted_at", "config_hash", "method_args", "speedup")  # fmt: skip
 
