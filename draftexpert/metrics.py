@@ -16,6 +16,9 @@ Counters (summable; per prompt in a record, summed over records for a table row)
   decode_loads, decode_bytes      experts loaded on demand after the prefill, and their bytes
   decode_stall_s, decode_wall_s   seconds decode forwards waited for loads / took
   prefetch_{issued,bytes,hits,waste,misses}   see the Ledger
+  decode_requested         layer-experts decode forwards computed with (the ledger's requested)
+  oracle_loads             loads Belady's MIN makes on those requests with the run's peak expert
+                           memory (the ledger's oracle; absent where the run loaded nothing)
   {ar,draft,verify}_s, _stall_s, _forwards    per phase: forward seconds, stall, forwards
 Derived (`derive`):
   decode_tps          = (new_tokens − prefills) / decode_s   (each prefill's token is timed with it)
@@ -30,6 +33,10 @@ Derived (`derive`):
   loads_per_token, mib_per_token = moved_loads / (new_tokens − 1), moved_bytes / (new_tokens − 1) / 2^20
   prefetch_hit_rate   = prefetch_hits / prefetch_issued;  prefetch_waste_rate = prefetch_waste / prefetch_issued
   prefetch_coverage   = prefetch_hits / (prefetch_hits + prefetch_misses)
+  hit_rate            = 1 − decode_loads / decode_requested   (served without an on-demand load)
+  oracle_hit_rate     = 1 − oracle_loads / decode_requested   (MIN, same memory, no prefetch needed)
+  oracle_loads_per_token = oracle_loads / (new_tokens − 1)
+  oracle_gap          = 1 − oracle_loads / moved_loads   (share of the moved loads MIN would not need)
   {phase}_forward_s   = {phase}_s / {phase}_forwards        (seconds per forward)
   {loading,compute,other}_ms_per_token = 1000 · (stall | compute | decode_s − wall) / (new_tokens − 1)
 Relative to AR (`relative`):
@@ -63,6 +70,8 @@ SCALARS = (
     "predicted_unique",
     "decode_loads",
     "decode_bytes",
+    "decode_requested",
+    "oracle_loads",
     "decode_stall_s",
     "decode_wall_s",
     *(f"prefetch_{k}" for k in PREFETCH),
@@ -118,10 +127,13 @@ def ledger_counters(ledger: dict | None) -> dict:
     out = {
         "decode_loads": sum(p["loads"] for p in decode),
         "decode_bytes": sum(p["bytes"] for p in decode),
+        "decode_requested": sum(p["requested"] for p in decode),
         "decode_stall_s": sum(p["stall_s"] for p in decode),
         "decode_wall_s": sum(p["wall_s"] for p in decode),
         **{f"prefetch_{k}": (ledger.get("prefetch") or {}).get(k, 0) for k in PREFETCH},
     }
+    if ledger.get("oracle"):
+        out["oracle_loads"] = ledger["oracle"]["loads"]
     for p in PHASES:
         if p in by_phase:
             out.update(
@@ -197,6 +209,10 @@ def derive(c: dict) -> dict:
         "prefetch_hit_rate": _ratio(g("prefetch_hits"), issued),
         "prefetch_waste_rate": _ratio(g("prefetch_waste"), issued),
         "prefetch_coverage": _ratio(g("prefetch_hits"), (g("prefetch_hits") or 0) + (g("prefetch_misses") or 0)),
+        "hit_rate": _complement(_ratio(g("decode_loads"), g("decode_requested"))),
+        "oracle_hit_rate": _complement(_ratio(g("oracle_loads"), g("decode_requested"))),
+        "oracle_loads_per_token": _ratio(g("oracle_loads"), dec),
+        "oracle_gap": _complement(_ratio(g("oracle_loads"), moved_loads)),
         "loading_ms_per_token": _ms(g("decode_stall_s"), dec),
         "compute_ms_per_token": _ms(compute, dec),
         "other_ms_per_token": _ms(
@@ -209,6 +225,10 @@ def derive(c: dict) -> dict:
     if all(k in c for k in ("drafted_at", "draft_unique_at")):
         out["draft_unique_curve"] = [u / d for u, d in zip(c["draft_unique_at"], c["drafted_at"]) if d]
     return out
+
+
+def _complement(x):
+    return None if x is None else 1 - x
 
 
 def _ms(seconds, tokens):

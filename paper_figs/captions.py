@@ -42,7 +42,7 @@ def spec_compare_page(res: dict, per_suite: int, tokens: int, threads: int, devi
         f"{res['model']} on {platform} {where}, {per_suite} prompts per suite, "
         f"{tokens} new tokens, greedy, {round_settings(res['spec'])}, {threads} thread; DraftExpert's draft "
         f"experts: {_draft_experts(res)}. `ar-resident`: AR with every expert resident{bound} (the upper bound); "
-        f"limit TPS = {limit} ÷ bytes moved per token. "
+        f"limit TPS = {limit} ÷ bytes moved per token. {spec_table.ORACLE_NOTE} "
         + (spec_table.memory_note(res) + " " if spec_table.memory_note(res) else "")
         + f"Tokens equal AR: {res['tokens_equal_ar']}.\n\n"
         + spec_table.table(res)
@@ -60,9 +60,12 @@ def table4_page(res: dict, per_suite: int, tokens: int, threads: int) -> str:
     return (
         f"{res['model']} on mn {where}, {per_suite} prompts per suite, {tokens} new tokens, "
         f"greedy, {round_settings(res['spec'])}, distilled draft experts, {threads} thread. Verify cost = wall "
-        f"seconds per verify forward / per AR forward. Tokens equal AR: {res['tokens_equal_ar']}.\n\n"
-        + spec_table.table4(res)
-        + "\n"
+        f"seconds per verify forward / per AR forward. hit / waste: of the prefetched experts, the share "
+        "verification used / did not; served: the share of requested experts that needed no on-demand load; "
+        "MIN served: the same for Belady's optimal cache on the run's own trace of requested experts, with the "
+        "most expert memory the run held at once; MIN saves: the share of the loads the run moved (on demand "
+        "and prefetched) that it would not need — what a better predictor could still remove. "
+        f"Tokens equal AR: {res['tokens_equal_ar']}.\n\n" + spec_table.table4(res) + "\n"
     )
 
 

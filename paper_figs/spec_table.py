@@ -31,6 +31,14 @@ def _shown(row: dict) -> dict:
     return out
 
 
+ORACLE_NOTE = (
+    "MIN: Belady's optimal cache on the run's own trace of requested experts, with the most expert "
+    "memory the run held at once (cache, round working set, loads in flight) — the fewest loads any "
+    "cache or prefetcher of that memory could have made; the gap to loads/tok is what a better predictor "
+    "could still remove."
+)
+
+
 def memory_note(result: dict) -> str:
     """What +MiB is made of, for the caption (empty without an AR-cache row)."""
     extra = (result["methods"].get("ar-cache") or {}).get("extra_memory")
@@ -55,6 +63,7 @@ def table(result: dict) -> str:
         ("draft_unique_per_round", "draft uniq", "{:.1f}"),
         ("verify_unique_per_round", "verify uniq", "{:.1f}"),
         ("loads_per_token", "loads/tok", "{:.1f}"),
+        ("oracle_loads_per_token", "MIN loads/tok", "{:.1f}"),
         ("mib_per_token", "MiB/tok", "{:.2f}"),
         ("prefetch_hit_rate", "hit", "{:.2f}"),
         ("prefetch_waste_rate", "waste", "{:.2f}"),
@@ -91,6 +100,9 @@ def table4(result: dict) -> str:
         ("verify_unique_per_round", "verify uniq", "{:.1f}"),
         ("prefetch_hit_rate", "hit", "{:.2f}"),
         ("prefetch_waste_rate", "waste", "{:.2f}"),
+        ("hit_rate", "served", "{:.2f}"),
+        ("oracle_hit_rate", "MIN served", "{:.2f}"),
+        ("oracle_gap", "MIN saves", "{:.2f}"),
         ("decode_tps", "TPS", "{:.2f}"),
         ("speedup", "×AR", "{:.2f}"),
     ]

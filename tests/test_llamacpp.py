@@ -219,6 +219,10 @@ def test_speculative_equals_llama_cpp_ar(ckpt, qtype):
         for ids, expected in zip(PROMPTS, want):
             out = spec.generate(ids, 24, None)
             assert out.tokens == expected, (method, r, conf)
+            led = out.stats["ledger"]
+            moved = sum(p["loads"] for ph, p in led["by_phase"].items() if not ph.startswith("prefill"))
+            moved += led["prefetch"]["issued"]
+            assert 0 < led["oracle"]["loads"] <= moved, (method, r, conf)  # MIN with the run's peak memory
             if out.stats["drafted"]:  # α is undefined for a prompt whose every round was truncated empty
                 alphas.append(metrics.derive(out.stats)["acceptance"])
         drafter.close()

@@ -11,6 +11,7 @@ from paper_figs import regime
 LEDGER = {  # a Ledger.summary() of one prompt: prefill, 3 AR-phase... here draft + verify forwards
     "total": {},
     "prefetch": {"issued": 10, "bytes": 1000, "hits": 8, "waste": 2, "misses": 4},
+    "oracle": {"capacity": 40, "requested": 80, "loads": 6},
     "by_phase": {
         "prefill": {
             "requested": 30,
@@ -75,6 +76,9 @@ def test_derived_figures_from_one_record():
     assert d["prefetch_hit_rate"] == 0.8 and d["prefetch_waste_rate"] == 0.2 and d["prefetch_coverage"] == 8 / 12
     assert math.isclose(d["loading_ms_per_token"], 25.0) and math.isclose(d["other_ms_per_token"], 125.0)
     assert d["draft_forward_s"] == 0.1 and d["verify_forward_s"] == 0.3 and d["ar_forward_s"] is None
+    # 80 decode requests, 9 on-demand loads; MIN with the run's memory: 6 loads of the 19 moved
+    assert d["hit_rate"] == 1 - 9 / 80 and d["oracle_hit_rate"] == 1 - 6 / 80
+    assert d["oracle_loads_per_token"] == 6 / 8 and d["oracle_gap"] == 1 - 6 / 19
 
 
 def test_tables_sum_counters_before_dividing():

@@ -20,6 +20,7 @@ from draftexpert.engines.torch_engine import TorchEngine
 from draftexpert.runtime.ggml_kernel import KernelError
 from draftexpert.runtime.loader import build_model, convert_experts
 from draftexpert.runtime.model import KVCache, from_hf_model
+from draftexpert.runtime.oracle import belady_loads
 from draftexpert.speculation.drafters import DraftExperts, DraftPath, draftexpert, top_r
 from draftexpert.speculation.round import SpecConfig, SpeculativeDecoder
 from tests.test_controller import priced
@@ -515,3 +516,41 @@ def test_under_auto_only_the_drafters_named_prefetch(models, store):
         assert dec.generate(ids, 24).tokens == ar_tokens(model, ids)
         prefetched = sum(len(r["prefetched"]) for r in trace)
         assert (prefetched > 0) == (forced == "de-random"), forced
+
+
+@pytest.mark.parametrize("store", ["host", "flash"])
+def test_the_oracle_replays_what_the_store_was_asked_and_bounds_what_it_moved(models, store, monkeypatch):
+    """The ledger's trace is the store's fetch calls, in order; Belady's MIN on it with the run's peak
+    memory never loads more than the run moved (on demand + prefetched), with an LRU cache that
+    outlives a sequence, with a round's working set, with and without prefetch."""
+    model = models[1][store]
+    fetched = []
+    real_fetch = model.experts.fetch_iter
+    monkeypatch.setattr(
+        model.experts,
+        "fetch_iter",
+        lambda layer, es, phase="ar": fetched.append((layer, list(es))) or real_fetch(layer, es, phase),
+    )
+    try:
+        for cache, make in [
+            (8, lambda: AROffloadDecoder(TorchEngine(model))),
+            (8, lambda: AROffloadDecoder(TorchEngine(model))),  # starts with the last run's cache
+            (0, lambda: speculative(model, top_r(2, model.cfg.top_k), SpecConfig(k_max=4, tau=0.5, budget=4))),
+            (6, lambda: speculative(model, drafter(model, "de-random"), SpecConfig(k_max=4, prefetch=False))),
+        ]:
+            model.experts.capacity = cache
+            fetched.clear()
+            out = make().generate(prompt(7, 10), 20)
+            led = out.stats["ledger"]
+            oracle, moved = led["oracle"], led["total"]["loads"] + led["prefetch"]["issued"]
+            ledger = model.experts.ledger
+            assert ledger.trace == [tuple((layer, e) for e in es) for layer, es in fetched]
+            assert oracle["requested"] == sum(p["requested"] for ph, p in led["by_phase"].items() if ph != "prefill")
+            assert oracle["capacity"] >= cache and 0 < oracle["loads"]
+            decode_moved = moved - led["by_phase"]["prefill"]["loads"]
+            assert oracle["loads"] <= decode_moved, (cache, oracle, decode_moved)
+            again = belady_loads(ledger.trace, oracle["capacity"], ledger.trace_decode, ledger.initial)
+            assert again == oracle["loads"]
+    finally:
+        model.experts.capacity = 0
+        model.experts.cache.clear()

@@ -582,7 +582,8 @@ class LlamaEngine:
             for layer, seen in sorted(self._seen.items()):
                 loads = sum(not cached for cached in seen.values())
                 stall = float("nan") if self.staging == "pagefault" else self._stall[layer]
-                self.ledger.record(layer, len(seen), loads, loads * self.pages.nbytes[layer], stall)
+                self.ledger.record(layer, len(seen), loads, loads * self.pages.nbytes[layer], stall, seen)
+            self.ledger.note_resident(len(self._since_evict))  # the page cache holds all since the eviction
         return torch.from_numpy(logits)
 
     def _evict(self) -> None:

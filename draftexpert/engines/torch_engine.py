@@ -52,6 +52,7 @@ class TorchEngine:
 
     def start(self, capacity: int) -> None:
         self.ledger.reset()
+        self.ledger.start_resident(self.store.resident_keys())  # an LRU cache outlives a sequence
         n = min(self.context_length, capacity)
         self.cache = KVCache.for_model(self.model, n)
         self.draft_cache = KVCache.for_model(self.model, n) if self.own_cache else self.cache

@@ -201,7 +201,15 @@ class ExpertStore:
                 self.inflight[key] = self._start(key, demand=False)
                 self.ledger.record_prefetch(1, self.expert_bytes(key))
                 started.append(e)
+        if started:
+            self._note_held(set())
         return started
+
+    def _note_held(self, using: set[Key]) -> None:
+        """Tell the ledger how many experts are on the accelerator or on their way now: the cache,
+        the round's working set, loads in flight, and the layer's experts being computed with (one
+        tensor each, however many of these hold it) — the oracle's capacity is the peak."""
+        self.ledger.note_resident(len(set(self.cache).union(self.block or (), self.inflight, using)))
 
     def fetch(self, layer: int, experts: list[int], phase: str = "ar") -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(gate_up, down) for each expert of `layer`, loading what is missing; blocks until ready."""
@@ -238,7 +246,9 @@ class ExpertStore:
                 if self.block is not None:
                     self._hold(key, w)
             yield ready[e]
-        self.ledger.record(layer, len(experts), len(missing), nbytes, stall)
+        self.ledger.record(layer, len(experts), len(missing), nbytes, stall, experts)
+        if missing:  # only a load changes what is held
+            self._note_held({(layer, e) for e in experts})
 
     def _remember(self, key: Key, w) -> None:
         if self.capacity <= 0:

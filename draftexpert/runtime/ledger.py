@@ -14,6 +14,10 @@ Prefetch (speculation; outside any forward):
   hits        issued and used by the round's verification
   waste       issued and not used by it                               = issued − hits
   misses      verifier experts needed, not resident at verify start, not prefetched (loaded on demand)
+Oracle (`summary()["oracle"]`, decode requests only): Belady's MIN on the run's trace of requested
+  experts with room for `capacity` = the most experts the run held on the accelerator at once
+  (cache ∪ round working set ∪ loads in flight, as the store reports it): the fewest loads any cache
+  or prefetcher with that memory could have made (`draftexpert.runtime.oracle`).
 Counters only: totals sum them over forwards, `summary()` also splits them by phase; every ratio
 (loading share, hit rate, coverage, …) is derived once, in `draftexpert.metrics`.
 """
@@ -26,6 +30,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
+
+from draftexpert.runtime.oracle import belady_loads
 
 COUNTERS = ("requested", "loads", "hits", "bytes", "stall_s")
 PREFETCH_COUNTERS = ("issued", "bytes", "hits", "waste", "misses")
@@ -51,6 +57,10 @@ class Ledger:
         self.prefetch = dict.fromkeys(PREFETCH_COUNTERS, 0)
         self._sync = None  # the device's synchronize (CUDA), so wall clocks cover the device's work
         self._gpu_waits: list[tuple[int, object, object]] = []  # (layer, needed-at event, copy-done event)
+        self.trace: list[tuple[tuple[int, int], ...]] = []  # each layer request of a ledgered forward, in order
+        self.trace_decode: list[bool] = []  # whether its forward was a decode one (not a prefill)
+        self.peak_resident = 0  # the most experts the store held on the accelerator at once
+        self.initial: set[tuple[int, int]] = set()  # what it held when the sequence started
 
     def use_cuda(self, device) -> None:
         self._sync = lambda: torch.cuda.synchronize(device)
@@ -87,10 +97,15 @@ class Ledger:
             rec.per_layer[layer]["stall_s"] += stall
         self._gpu_waits.clear()
 
-    def record(self, layer: int, requested: int, loads: int, nbytes: int, stall_s: float) -> None:
+    def record(self, layer: int, requested: int, loads: int, nbytes: int, stall_s: float, experts=()) -> None:
+        """One layer's request: counters, and (`experts`: the ids it computed with) the oracle's trace."""
         rec = self._current
         if rec is None:  # a store used outside a ledgered forward (e.g. a warm-up): not counted
             return
+        group = tuple((layer, int(e)) for e in experts)
+        if group:
+            self.trace.append(group)
+            self.trace_decode.append(not rec.phase.startswith("prefill"))
         pl = rec.per_layer[layer]
         for key, val in (
             ("requested", requested),
@@ -101,6 +116,26 @@ class Ledger:
         ):
             setattr(rec, key, getattr(rec, key) + val)
             pl[key] += val
+
+    def start_resident(self, keys) -> None:
+        """The experts held when a sequence starts (a cache kept from the sequence before)."""
+        self.initial = set(keys)
+        self.note_resident(len(self.initial))
+
+    def note_resident(self, experts: int) -> None:
+        """The store holds `experts` experts on the accelerator now (the oracle's capacity is the peak)."""
+        if experts > self.peak_resident:
+            self.peak_resident = experts
+
+    def oracle(self) -> dict | None:
+        """Belady's MIN on the decode requests with the run's peak memory (see the module docstring)."""
+        if not self.trace or not (any(r.loads for r in self.forwards) or self.prefetch["issued"]):
+            return None  # nothing was moved (resident experts): no loading to compare
+        return {
+            "capacity": self.peak_resident,
+            "requested": sum(len(g) for g, d in zip(self.trace, self.trace_decode) if d),
+            "loads": belady_loads(self.trace, self.peak_resident, self.trace_decode, self.initial),
+        }
 
     def record_prefetch(self, issued: int, nbytes: int) -> None:
         self.prefetch["issued"] += issued
@@ -114,6 +149,10 @@ class Ledger:
     def reset(self) -> None:
         self.forwards.clear()
         self.prefetch = dict.fromkeys(PREFETCH_COUNTERS, 0)
+        self.trace.clear()
+        self.trace_decode.clear()
+        self.peak_resident = 0
+        self.initial = set()
 
     def summary(self) -> dict:
         """Totals, by phase, and per-layer totals (counters: see the module docstring)."""
@@ -133,6 +172,7 @@ class Ledger:
         return {
             "total": agg(self.forwards),
             "prefetch": dict(self.prefetch),
+            "oracle": self.oracle(),
             "by_phase": {p: agg([r for r in self.forwards if r.phase == p]) for p in phases},
             "per_layer": {str(k): v for k, v in sorted(per_layer.items())},
         }
