@@ -252,7 +252,9 @@ def params(model: ModelOpt = "ds", model_path: ModelPathOpt = None, as_json: Jso
         f"bf16 {_size(s['non_routed_gib_bf16'])}  Q4_0 {_size(s['non_routed_gib_q4_0'])}\n"
         f"    embedding {_count(s['embedding'])}, lm_head {_count(s['lm_head'])}, attention "
         f"{_count(s['attention'])}, dense MLP {_count(s['dense_mlp'])}, shared experts "
-        f"{_count(s['shared_experts'])}, router {_count(s['router'])}, norms {_count(s['norms'])}"
+        f"{_count(s['shared_experts'])}, router {_count(s['router'])}, norms {_count(s['norms'])}\n"
+        f"  a decoded token reads {_count(s['token_params'])}: routed experts {_count(s['routed_per_token'])} "
+        f"({100 * s['token_routed_share']:.1f}%)"
     )
     emit(s, as_json, text)
 
@@ -1664,6 +1666,25 @@ def data_tokenize(
     prepare(corpus_dir, out, log=log)
 
 
+@data_app.command("pack")
+def data_pack(
+    data_dir: Annotated[Path, typer.Option("--data", help="train.bin / val.bin and their tokenizer")] = DATA_DIR,
+    corpus_dir: Annotated[Path, typer.Option("--corpus", help="the corpus whose manifest goes with them")] = CORPUS_DIR,
+    out: Annotated[Path, typer.Option("--out")] = WORK_DIR / "pack",
+    as_json: JsonOpt = False,
+):
+    """The tokenized corpus, xz-compressed with its tokenizer and manifest, for a machine that cannot
+    build it (scripts/train_on_gpu.py trains the embedded targets from it)."""
+    from bench.tiny.pack import PackError, pack
+
+    try:
+        info = pack(data_dir, corpus_dir, out, log=log)
+    except PackError as e:
+        fail(str(e))
+    size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
+    emit(info, as_json, f"{size / 2**20:.1f} MiB in {out}")
+
+
 TINY = ("ds-tiny", "ml-tiny")
 
 
@@ -1682,10 +1703,22 @@ def model_train(
     lr: Annotated[float, typer.Option("--lr")] = 2e-3,
     threads: Annotated[int, typer.Option("--threads", min=1)] = 1,
     seed: Annotated[int, typer.Option("--seed")] = 1234,
+    train_device: Annotated[
+        str, typer.Option("--device", help="cpu | cuda: where the training steps run (the recipe is the same).")
+    ] = "cpu",
     out: Annotated[Path | None, typer.Option("--out", help="Training folder (state, log).")] = None,
     install: Annotated[
         bool, typer.Option("--install/--no-install", help="Copy the result into models/<name> and write its card.")
     ] = True,
+    install_to: Annotated[
+        Path | None, typer.Option("--install-to", help="Install into this folder instead of models/<name>.")
+    ] = None,
+    eval_limit: Annotated[
+        int | None,
+        typer.Option(
+            "--eval-limit", min=1, help="The card's evaluation: this many validation sequences (default all)."
+        ),
+    ] = None,
     new_tokenizer: Annotated[
         bool,
         typer.Option(
@@ -1702,7 +1735,14 @@ def model_train(
     from bench.tiny.train import install as install_run
 
     _tiny(model)
-    if not (CORPUS_DIR / "train.jsonl").exists():
+    if train_device not in ("cpu", "cuda"):
+        fail(f"--device: {train_device!r} is not cpu or cuda")
+    if train_device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            fail("--device cuda: no CUDA device is visible to torch here")
+    if not (CORPUS_DIR / "train.jsonl").exists() and not (DATA_DIR / "train.bin").exists():
         corpus.build(CORPUS_DIR, log=log)
     if not (DATA_DIR / "train.bin").exists():
         committed = registry.EMBEDDED_DIR / model
@@ -1713,15 +1753,22 @@ def model_train(
             tokenizer_dir=committed if (committed / "tokenizer.json").exists() and not new_tokenizer else None,
         )
     cfg = TrainConfig(
-        model=model, steps=steps, batch_size=batch_size, seq_len=seq_len, lr=lr, threads=threads, seed=seed
+        model=model,
+        steps=steps,
+        batch_size=batch_size,
+        seq_len=seq_len,
+        lr=lr,
+        threads=threads,
+        seed=seed,
+        device=train_device,
     )
     train_dir = out or TRAIN_DIR / model
     final = train(cfg, DATA_DIR, train_dir, log=log)
     if install:
-        dest = install_run(final, registry.EMBEDDED_DIR / model, train_dir, CORPUS_DIR)
+        dest = install_run(final, install_to or registry.EMBEDDED_DIR / model, train_dir, CORPUS_DIR)
         if model == "ml-tiny":  # V3: continue the aux-loss-free bias updates with the weights frozen
-            rebalance_bias(dest, DATA_DIR, log=log)
-        _eval_and_card(model, dest, limit=None)
+            rebalance_bias(dest, DATA_DIR, log=log, device=train_device)
+        _eval_and_card(model, dest, limit=eval_limit)
 
 
 def _eval_and_card(model: str, folder: Path, limit: int | None) -> dict:

@@ -7,6 +7,7 @@ from typer.testing import CliRunner
 
 from bench.cells import registry
 from bench.cli import app
+from bench.tiny.configs import ds_tiny
 from draftexpert.runtime import params
 from draftexpert.runtime.loader import build_model
 from draftexpert.runtime.params import _cgroup_room, breakdown
@@ -150,3 +151,16 @@ def test_the_plan_counts_the_draftexpert_drafters_own_shared_mlp(tiny_checkpoint
     held = sum(t.nbytes for w in path.shared.values() for t in w)
     assert held == params.plan(cfg, "mn", cuda=False, draft_intermediate=cfg["moe_intermediate_size"])["draft_weights"]
     assert params.plan(cfg, "mn", cuda=False)["draft_weights"] == 0 and torch.float32 == model.embed.dtype
+
+
+def test_a_tokens_reads_and_the_routed_share_of_them():
+    """DeepSeek-V2-Lite's token reads ~2.4B parameters (the paper's "2.4B active"), 55% of them routed;
+    a tied embedding is read once, as the head."""
+    ds = breakdown(registry.config_facts("ds", None)).summary()
+    assert 2.40e9 < ds["token_params"] < 2.50e9 and 0.54 < ds["token_routed_share"] < 0.56
+    cfg = ds_tiny().to_dict()
+    tied = breakdown(cfg)
+    untied = breakdown({**cfg, "tie_word_embeddings": False})
+    assert untied.total - tied.total == cfg["vocab_size"] * cfg["hidden_size"]
+    assert tied.token_params == untied.token_params  # the head is read either way, the embedding a row
+    assert tied.routed_per_token == 6 * 5 * 3 * cfg["hidden_size"] * cfg["moe_intermediate_size"]

@@ -18,6 +18,7 @@ from bench.suites import prompts, sources
 from bench.tiny import corpus
 from bench.tiny.configs import TINY_CONFIGS
 from bench.tiny.evaluate import evaluate, repeated_ngram_share
+from bench.tiny.pack import PackError, pack, unpack
 from bench.tiny.tokenizer import CHAT_TEMPLATE, prepare, train_tokenizer
 from bench.tiny.train import TrainConfig, balance_loss, train
 
@@ -262,3 +263,58 @@ def test_committed_model_card_reports_the_bar(name):
     for c in ev["continuations"]:
         assert c["distinct_tokens"] > 3  # not one token repeated
     assert math.isfinite(ev["perplexity"])
+
+
+def test_a_run_resumes_across_speed_only_fields_and_refuses_another_recipe(tmp_path):
+    """threads / device change how fast a run goes, not what it computes: a run resumes across them,
+    and from a checkpoint older than a field (its default); another learning rate is refused, named."""
+    data = _tiny_data(tmp_path, 64)
+    cfg = TrainConfig(model="ml-tiny", steps=2, batch_size=2, seq_len=32, warmup=1, ckpt_every=2, eval_every=2,
+                      eval_batches=1, bf16=False, threads=1)  # fmt: skip
+    out = tmp_path / "run"
+    train(cfg, data, out, log=lambda m: None, model_config=_v3_small())
+    rec = json.loads((out / "log.jsonl").read_text().splitlines()[-1])
+    assert 0 < rec["val_top1_prob"] <= 1 and 0 <= rec["val_near_ties"] <= 1
+    st = torch.load(out / "state.pt", weights_only=False)
+    del st["config"]["device"]  # a checkpoint written before the field existed
+    torch.save(st, out / "state.pt")
+    said = []
+    train(dataclasses.replace(cfg, threads=2), data, out, log=said.append, model_config=_v3_small())
+    assert any("resumed ml-tiny at step 2" in m for m in said)
+    with pytest.raises(SystemExit, match="'lr'"):
+        train(dataclasses.replace(cfg, lr=1e-3), data, out, log=lambda m: None, model_config=_v3_small())
+
+
+def test_the_corpus_pack_round_trips_and_refuses_a_damaged_one(tmp_path):
+    data, corpus_dir = tmp_path / "data", tmp_path / "corpus"
+    (data / "tokenizer").mkdir(parents=True)
+    corpus_dir.mkdir()
+    rng = np.random.default_rng(0)
+    for split, n in (("train", 50_000), ("val", 3_000)):
+        rng.integers(0, 4096, n, dtype=np.uint16).tofile(data / f"{split}.bin")
+    (data / "tokenizer" / "tokenizer.json").write_text("{}")
+    (corpus_dir / "manifest.json").write_text('{"sources": []}')
+    with pytest.raises(PackError, match="train.bin"):
+        pack(tmp_path / "nowhere", corpus_dir, tmp_path / "p0", log=lambda m: None)
+    info = pack(data, corpus_dir, tmp_path / "pack", log=lambda m: None)
+    assert info["splits"]["train"]["tokens"] == 50_000
+    unpack(tmp_path / "pack", tmp_path / "d2", tmp_path / "c2", log=lambda m: None)
+    for split in ("train", "val"):
+        assert (tmp_path / "d2" / f"{split}.bin").read_bytes() == (data / f"{split}.bin").read_bytes()
+    assert (tmp_path / "c2" / "manifest.json").read_text() == '{"sources": []}'
+    assert (tmp_path / "d2" / "tokenizer" / "tokenizer.json").exists()
+    # a damaged archive, then one whose tokens are not what pack.json says: named, nothing half-written kept
+    xz = tmp_path / "pack" / "val.u16.xz"
+    good = xz.read_bytes()
+    xz.write_bytes(good[: len(good) // 2])
+    with pytest.raises(PackError, match="cannot be read"):
+        unpack(tmp_path / "pack", tmp_path / "d3", tmp_path / "c3", log=lambda m: None)
+    assert not any((tmp_path / "d3").glob("val*"))
+    xz.write_bytes(good)
+    meta = json.loads((tmp_path / "pack" / "pack.json").read_text())
+    meta["splits"]["val"]["sha256"] = "0" * 64
+    (tmp_path / "pack" / "pack.json").write_text(json.dumps(meta))
+    with pytest.raises(PackError, match="do not match"):
+        unpack(tmp_path / "pack", tmp_path / "d4", tmp_path / "c4", log=lambda m: None)
+    with pytest.raises(PackError, match="not a corpus pack"):
+        unpack(tmp_path / "nothing", tmp_path / "d5", tmp_path / "c5", log=lambda m: None)

@@ -84,6 +84,11 @@ def training_wall_s(log: list[dict], tcfg: dict) -> float:
     return total
 
 
+def _weights(folder: Path) -> str:
+    shards = sorted(p.name for p in folder.glob("model*.safetensors"))
+    return ", ".join(f"`{n}`" for n in shards) or "`model.safetensors`"
+
+
 def write_card(folder: Path, name: str, reproduce_cmd: str) -> Path:
     cfg = json.loads((folder / "config.json").read_text())
     log = [json.loads(line) for line in (folder / "training_log.jsonl").read_text().splitlines() if line.strip()]
@@ -119,11 +124,13 @@ def write_card(folder: Path, name: str, reproduce_cmd: str) -> Path:
         "",
         f"An embedded MoE target of the DraftExpert suite: transformers' `{cfg['architectures'][0]}`, with the "
         f"routing structure of {'Moonlight-16B-A3B' if v3 else 'DeepSeek-V2-Lite'} at small dimensions, trained by "
-        "this project on an offline corpus. Weights: `model.safetensors` (bf16). Load with "
+        f"this project on an offline corpus. Weights: {_weights(folder)} (bf16). Load with "
         f"`AutoModelForCausalLM.from_pretrained('models/{name}')` (no network) or through `bench --model {name}`.",
         "",
-        f"Reproduce: `{reproduce_cmd}"
+        f"Reproduce: `{reproduce_cmd} --steps {tcfg['steps']} --batch-size {tcfg['batch_size']} "
+        f"--seq-len {tcfg['seq_len']} --lr {tcfg['lr']}"
         + (f" --threads {tcfg['threads']}" if tcfg.get("threads", 1) != 1 else "")
+        + (f" --device {tcfg['device']}" if tcfg.get("device", "cpu") != "cpu" else "")
         + "` (its tokenizer, committed here, is reused).",
         "",
         "## Shape",
@@ -167,7 +174,7 @@ def write_card(folder: Path, name: str, reproduce_cmd: str) -> Path:
         f"- {tcfg['steps']} steps × {tcfg['batch_size']} × {tcfg['seq_len']} tokens = "
         f"**{tokens_seen / 1e6:.2f}M tokens seen**; AdamW lr {tcfg['lr']} (warm-up {tcfg['warmup']}, cosine to "
         f"{tcfg['min_lr_ratio']}×), weight decay {tcfg['weight_decay']}, bf16 autocast, seed {tcfg['seed']}, "
-        f"{tcfg['threads']} CPU thread(s)"
+        + (f"on {tcfg['device']}" if tcfg.get("device", "cpu") != "cpu" else f"{tcfg['threads']} CPU thread(s)")
         + (
             f", wall time {wall_s / 60:.0f} min"
             + ("" if "elapsed_s" in log[-1] else " (from the logged throughput; evaluation time not included)")

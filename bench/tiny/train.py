@@ -31,6 +31,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from bench.tiny.configs import TINY_CONFIGS, V3_KEYS_TO_KEEP
 
+NEAR_TIE = 0.05  # a top-1 margin below which a drafter's argmax agrees little better than a coin
+
 
 @dataclass
 class TrainConfig:
@@ -52,6 +54,23 @@ class TrainConfig:
     eval_every: int = 100
     eval_batches: int = 8
     bf16: bool = True
+    device: str = "cpu"  # "cuda": the same recipe on an accelerator (bf16 autocast there too)
+
+
+SHARD = 15 << 20  # bytes: weights in shards a machine that returns files of at most 16 MiB can send back
+
+
+def save_weights(model, folder: Path) -> None:
+    """`save_pretrained` in shards of at most SHARD, after removing the folder's earlier weights (a
+    single file left beside a new index would be read as another shard)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for old in folder.glob("model*.safetensors*"):
+        old.unlink()
+    model.save_pretrained(folder, safe_serialization=True, max_shard_size=SHARD)
+
+
+# fields that change how fast a run goes, not what it computes: a run resumes across them
+SPEED_ONLY = ("threads", "device")
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -93,7 +112,19 @@ def balance_loss(logits: torch.Tensor, idx: torch.Tensor, n_experts: int, k: int
 def sample_batch(data: np.ndarray, step: int, cfg: TrainConfig) -> torch.Tensor:
     rng = np.random.default_rng(cfg.seed + step)
     starts = rng.integers(0, len(data) - cfg.seq_len - 1, size=cfg.batch_size)
-    return torch.from_numpy(np.stack([data[s : s + cfg.seq_len + 1] for s in starts]).astype(np.int64))
+    rows = torch.from_numpy(np.stack([data[s : s + cfg.seq_len + 1] for s in starts]).astype(np.int64))
+    return rows.to(cfg.device)
+
+
+def _same_run(saved: dict, cfg: TrainConfig) -> dict:
+    """What differs between a checkpoint's configuration and `cfg`, beyond speed-only fields (a field
+    the checkpoint predates counts as its default)."""
+    defaults = asdict(TrainConfig())
+    return {
+        k: (saved.get(k, defaults[k]), v)
+        for k, v in asdict(cfg).items()
+        if k not in SPEED_ONLY and saved.get(k, defaults[k]) != v
+    }
 
 
 def eval_windows(data: np.ndarray, cfg: TrainConfig) -> list[torch.Tensor]:
@@ -102,27 +133,33 @@ def eval_windows(data: np.ndarray, cfg: TrainConfig) -> list[torch.Tensor]:
     stride = max(cfg.seq_len + 1, (len(data) - cfg.seq_len - 1) // n)
     starts = [i * stride for i in range(n) if i * stride + cfg.seq_len + 1 <= len(data)]
     rows = np.stack([data[s : s + cfg.seq_len + 1] for s in starts]).astype(np.int64)
-    return [torch.from_numpy(rows[i : i + cfg.batch_size]) for i in range(0, len(rows), cfg.batch_size)]
+    return [torch.from_numpy(rows[i : i + cfg.batch_size]).to(cfg.device) for i in range(0, len(rows), cfg.batch_size)]
 
 
 @torch.no_grad()
 def evaluate(model, tap: RouterTap, windows, n_experts: int, bf16: bool) -> dict:
+    device = windows[0].device.type
     model.eval()
-    tot, n = 0.0, 0
+    tot, n, p1, ties = 0.0, 0, 0.0, 0
     usage = None
     for w in windows:
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=bf16):
             logits = model(input_ids=w[:, :-1]).logits
         loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), w[:, 1:].reshape(-1), reduction="sum")
         tot, n = tot + loss.item(), n + w[:, 1:].numel()
+        top2 = logits.float().softmax(-1).topk(2, dim=-1).values  # [B, T, 2]: how sure the model is
+        p1 += top2[..., 0].sum().item()
+        ties += (top2[..., 0] - top2[..., 1] < NEAR_TIE).sum().item()
         counts = torch.stack([torch.bincount(i.reshape(-1), minlength=n_experts) for _, i in tap.pop()])
         usage = counts if usage is None else usage + counts
     model.train()
-    share = usage.double() / usage.sum(1, keepdim=True)  # [layers, E]
+    share = usage.double().cpu() / usage.sum(1, keepdim=True).cpu()  # [layers, E]
     entropy = (-(share * share.clamp_min(1e-12).log()).sum(1) / math.log(n_experts)).tolist()
     return {
         "val_loss": tot / n,
         "val_ppl": math.exp(tot / n),
+        "val_top1_prob": p1 / n,  # mean top-1 probability on held-out text
+        "val_near_ties": ties / n,  # share of positions with p(1st) − p(2nd) < NEAR_TIE (the drafting bound)
         "usage_entropy": entropy,
         "max_share_x_uniform": (share.max(1).values * n_experts).tolist(),
     }
@@ -161,7 +198,8 @@ def train(cfg: TrainConfig, data_dir: Path, out_dir: Path, log=print, model_conf
     """Train (or resume) `cfg.model` on `data_dir/{train,val}.bin`; returns the checkpoint folder
     `out_dir/final` in Hugging Face format. Progress: `out_dir/log.jsonl`; state: `out_dir/state.pt`.
     `model_config` replaces the registered shape (tests train a smaller one)."""
-    torch.set_num_threads(cfg.threads)
+    if cfg.device == "cpu":
+        torch.set_num_threads(cfg.threads)
     out_dir.mkdir(parents=True, exist_ok=True)
     state_path, log_path = out_dir / "state.pt", out_dir / "log.jsonl"
     train_data = np.memmap(data_dir / "train.bin", dtype=np.uint16, mode="r")
@@ -169,7 +207,7 @@ def train(cfg: TrainConfig, data_dir: Path, out_dir: Path, log=print, model_conf
 
     torch.manual_seed(cfg.seed)
     mcfg = model_config if model_config is not None else TINY_CONFIGS[cfg.model]()
-    model = AutoModelForCausalLM.from_config(mcfg)
+    model = AutoModelForCausalLM.from_config(mcfg).to(cfg.device)
     v3 = mcfg.model_type == "deepseek_v3"
     scoring = "sigmoid" if v3 else "softmax"
     n_experts, k = mcfg.n_routed_experts, mcfg.num_experts_per_tok
@@ -182,9 +220,9 @@ def train(cfg: TrainConfig, data_dir: Path, out_dir: Path, log=print, model_conf
     )
     step = 0
     if state_path.exists():
-        st = torch.load(state_path, weights_only=False)
-        if st["config"] != asdict(cfg):
-            diff = {k: (st["config"].get(k), v) for k, v in asdict(cfg).items() if st["config"].get(k) != v}
+        st = torch.load(state_path, weights_only=False, map_location=cfg.device)
+        diff = _same_run(st["config"], cfg)
+        if diff:
             raise SystemExit(
                 f"{state_path} was made with another configuration {diff}; use a new --out folder or the same flags"
             )
@@ -203,7 +241,7 @@ def train(cfg: TrainConfig, data_dir: Path, out_dir: Path, log=print, model_conf
             for g in opt.param_groups:
                 g["lr"] = lr_at(step, cfg)
             batch = sample_batch(train_data, step, cfg)
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
+            with torch.autocast(cfg.device, dtype=torch.bfloat16, enabled=cfg.bf16):
                 logits = model(input_ids=batch[:, :-1]).logits
             ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
             taps = tap.pop()
@@ -268,7 +306,7 @@ def train(cfg: TrainConfig, data_dir: Path, out_dir: Path, log=print, model_conf
                     state_path,
                 )
     final = out_dir / "final"
-    model.to(torch.bfloat16).save_pretrained(final, safe_serialization=True)
+    save_weights(model.cpu().to(torch.bfloat16), final)
     AutoTokenizer.from_pretrained(data_dir / "tokenizer").save_pretrained(final)
     if v3:
         cfg_path = final / "config.json"
@@ -283,6 +321,8 @@ def install(final: Path, model_dir: Path, train_dir: Path, corpus_dir: Path) -> 
     """Copy a finished training run into the embedded-model folder (models/<name>): weights,
     config, tokenizer, training config and log, and the corpus manifest."""
     model_dir.mkdir(parents=True, exist_ok=True)
+    for old in model_dir.glob("model*.safetensors*"):  # the weights it replaces, sharded or not
+        old.unlink()
     for f in final.iterdir():
         shutil.copy2(f, model_dir / f.name)
     shutil.copy2(train_dir / "log.jsonl", model_dir / "training_log.jsonl")
@@ -304,22 +344,24 @@ def rebalance_bias(
     seed: int = 1234,
     threads: int = 1,
     log=print,
+    device: str = "cpu",
 ) -> dict:
     """DeepSeek-V3's aux-loss-free balancing continued with every weight frozen: for `steps` training
     batches (drawn with seeds seed + 1_000_000 + k, disjoint from the training draws), route them,
     then b_i ← b_i + u·sign(mean load − load_i) in each MoE layer. Only the correction bias changes
-    (it picks experts; it never weighs them). Rewrites `folder/model.safetensors` in place."""
-    torch.set_num_threads(threads)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, local_files_only=True).eval()
+    (it picks experts; it never weighs them). Rewrites the folder's weights in place."""
+    if device == "cpu":
+        torch.set_num_threads(threads)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, local_files_only=True).eval().to(device)
     if model.config.model_type != "deepseek_v3":
         raise ValueError("bias rebalancing applies to sigmoid/noaux_tc (DeepseekV3) routers only")
     tap = RouterTap(model)
     data = np.memmap(data_dir / "train.bin", dtype=np.uint16, mode="r")
-    cfg = TrainConfig(batch_size=batch_size, seq_len=seq_len, seed=seed + 1_000_000)
+    cfg = TrainConfig(batch_size=batch_size, seq_len=seq_len, seed=seed + 1_000_000, device=device)
     n_experts = model.config.n_routed_experts
     for k in range(steps):
         batch = sample_batch(data, k, cfg)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast(device, dtype=torch.bfloat16):
             model(input_ids=batch[:, :-1])
         loads = []
         for router, (_, ix) in zip(tap.routers, tap.pop()):
@@ -328,11 +370,12 @@ def rebalance_bias(
             loads.append((c.max() / c.mean()).item())
         if (k + 1) % 50 == 0:
             log(f"bias rebalance {k + 1}/{steps}: max load × mean per layer {[round(x, 2) for x in loads]}")
+    model.cpu()
     biases = [r.e_score_correction_bias.clone() for r in tap.routers]
     model.to(torch.bfloat16)
     for r, b in zip(tap.routers, biases):  # the bias keeps fp32: a 0.01 step is below bf16's resolution at 1
         r.e_score_correction_bias = b
-    model.save_pretrained(folder, safe_serialization=True)
+    save_weights(model, folder)
     info = {
         "bias_balance_steps": steps,
         "bias_update_speed": speed,

@@ -10,6 +10,9 @@ Counts follow the tensors of transformers' DeepseekV2/V3 classes (and of the che
   MoE layer: routed experts E · 3 · H · I_moe; shared experts 3 · H · (n_shared · I_moe);
              router E · H (+ E correction-bias entries for V3's noaux_tc)
   norms: 2·H per layer + H final; embedding V·H; lm_head V·H unless tied.
+A decoded token reads every non-routed matrix but the embedding (one row of it; a tied embedding is
+read whole as the head), and k routed experts per MoE layer: `token_params`; `token_routed_share` =
+the routed experts' part of it (DeepSeek-V2-Lite: 55%).
 Bytes: bf16 = 2 B/param. Q4_0 = 18 B per 32 weights (4.5 bits) for every matrix, vectors kept
 f32 (4 B) as llama.cpp keeps norms; real GGUF files may keep a few matrices at higher precision.
 """
@@ -36,6 +39,8 @@ class Breakdown:
     vectors: int = 0  # of the above, 1-D tensors (norms, router bias): kept f32 in Q4_0 files
     routed_expert_params_each: int = 0
     n_routed_experts_total: int = 0  # MoE layers × experts per layer
+    routed_per_token: int = 0  # k experts per MoE layer: what a decoded token computes with
+    hidden: int = 0
 
     @property
     def total(self) -> int:
@@ -54,6 +59,12 @@ class Breakdown:
     def non_routed(self) -> int:
         return self.total - self.routed_experts
 
+    @property
+    def token_params(self) -> int:
+        """Parameters one decoded token reads (see the module docstring)."""
+        head = self.lm_head or self.embedding
+        return self.non_routed - self.embedding - self.lm_head + head + self.hidden + self.routed_per_token
+
     def summary(self) -> dict:
         """Counts, shares and sizes; `*_gib_bf16` = params · 2 / 2^30,
         `*_gib_q4_0` = (matrix params · 18/32 + vector params · 4) / 2^30."""
@@ -64,6 +75,8 @@ class Breakdown:
                 "total": self.total,
                 "non_routed": self.non_routed,
                 "routed_share": self.routed_experts / self.total,
+                "token_params": self.token_params,
+                "token_routed_share": self.routed_per_token / self.token_params,
                 "routed_gib_bf16": 2 * self.routed_experts / GIB,
                 "non_routed_gib_bf16": 2 * self.non_routed / GIB,
                 "routed_gib_q4_0": self.routed_experts * Q4_0_BYTES_PER_WEIGHT / GIB,
@@ -114,9 +127,11 @@ def breakdown(cfg: dict) -> Breakdown:
             b.router += E * H + (E if v3_bias else 0)
             b.vectors += E if v3_bias else 0
             b.routed_expert_params_each = 3 * H * inter
+            b.routed_per_token += cfg["num_experts_per_tok"] * 3 * H * inter
         else:
             b.dense_mlp += 3 * H * cfg["intermediate_size"]
     b.vectors += H
+    b.hidden = H
     return b
 
 
