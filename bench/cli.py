@@ -1028,7 +1028,8 @@ def compare(
         str,
         typer.Option(
             "--set",
-            help="table2: AR, top-1/2/3, DraftExpert, pld, AR with the equal-memory expert cache | table4: AR "
+            help="table2: AR, top-1/2/3, DraftExpert, pld, AR with the equal-memory expert cache | table3: AR and "
+            "every drafter at a fixed K = 4, no truncation, no prefetch (acceptance, footprint) | table4: AR "
             "and DraftExpert with fixed K, conf.+exp., + prefetch | fig3: the drafters at a fixed K = 8 | "
             "regime: table2 under read caps | spec_bench: AR, AR-cache, top-3, pld, DraftExpert",
         ),

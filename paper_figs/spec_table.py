@@ -15,7 +15,9 @@ def _paper_cells(result: dict, label: str) -> list[str]:
     m, plat = paper.real(result.get("model", "")), result.get("platform")
     t3 = paper.TABLE3.get(m, {}).get(label)
     t2 = paper.TABLE2.get((m, plat))
-    x = {"ar": 1.0, "draftexpert": t2["speedup"]}.get(label) if t2 else None
+    args = (result["methods"].get(label) or {}).get("method_args") or {}
+    paper_de = args.get("truncate", True) and args.get("prefetch", True)  # the paper's DraftExpert, not a fixed-K one
+    x = {"ar": 1.0, "draftexpert": t2["speedup"] if paper_de else None}.get(label) if t2 else None
     if label == "ar-resident" and (m, plat) == ("ds", "mn"):
         x = paper.RESIDENT_MN_DS_TPS / t2["ar"]
     return [f"{t3[1]:.3f}" if t3 else "–", f"{x:.2f}" if x is not None else "–"]

@@ -56,6 +56,10 @@ def test_tables_print_the_papers_values_beside_ours():
     t2 = table({"model": "ds-tiny", "platform": "mn", "methods": {"ar": row, "top-1": row, "draftexpert": row}})
     assert "| paper α | paper ×AR |" in t2 and "| 0.225 | – |" in t2 and "| 0.850 | 1.52 |" in t2
     assert "AR 10.18 TPS" in t2 and "resident AR 14.36" in t2
+    # a fixed-K DraftExpert row (Table 3's setting) is not the paper's Table 2 method: no ×AR beside it
+    fixed = {**row, "method_args": {"truncate": False, "prefetch": False}}
+    t3 = table({"model": "ds-tiny", "platform": "mn", "methods": {"ar": row, "draftexpert": fixed}})
+    assert "| 0.850 | – |" in t3 and "1.52 |" not in t3.split("paper (DS")[0]
     t4 = table4({"model": "ml-tiny", "platform": "mn", "methods": {"conf-exp-prefetch": {"verify_cost_x_ar": 1.1}}})
     assert "| 1.40 | 0.86 / 0.14 |" in t4
     r5 = {

@@ -67,10 +67,18 @@ LONG_BLOCKS = [
     ("draftexpert-k8", "draftexpert", {"k_max": 8, "truncate": False}),
     ("auto-k8", "auto", {"k_max": 8}),  # priced per round over DraftExpert, top-1, top-3 and AR (not the paper's)
 ]
+# Table 3: the drafters' acceptance and footprint as the paper reads them — every drafter at a fixed
+# K = 4, no truncation, no prefetch (the setting of the stand-ins' drafting bar).
+ACCEPTANCE = [
+    ("ar", "ar", {}),
+    *((f"top-{r}", "top-r", {"r": r, "k_max": 4, "truncate": False, "prefetch": False}) for r in (1, 2, 3)),
+    ("draftexpert", "draftexpert", {"k_max": 4, "truncate": False, "prefetch": False}),
+]
 # The Spec-Bench table's methods: both ARs, the best top-r at K = 4, prompt lookup, DraftExpert.
 SPEC_BENCH = [m for m in METHODS if m[0] in ("ar", "top-3", "draftexpert", "pld", "ar-cache")]
 SETS = {
     "table2": METHODS,
+    "table3": ACCEPTANCE,
     "table4": POLICIES,
     "fig3": FOOTPRINT,
     "regime": METHODS + LONG_BLOCKS,
