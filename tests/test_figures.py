@@ -1,11 +1,14 @@
 """Figures and tables from small fixtures: Fig. 2, Fig. 3 with the paper's points, the paper's values in Tables 2–5."""
 
+from pathlib import Path
+
 import pandas as pd
 import pytest
 
 from bench.steps.distill import report
 from bench.steps.distill import table as table5
 from paper_figs import fig1b, fig2, fig3, fig45
+from paper_figs.readme import tables
 from paper_figs.spec_table import table, table4
 
 
@@ -137,3 +140,13 @@ def test_fig45_draws_the_dense_half_and_the_papers_table4_points(tmp_path):
     del c["cost"]
     with pytest.raises(ValueError, match="lacks column.*cost"):
         fig45.table(c)
+
+
+def test_the_readme_holds_each_result_table_as_the_results_give_it():
+    """README.md's numbers are the committed results' (`python -m paper_figs.readme` prints each table):
+    a result regenerated without the README following, or a number typed in, fails here."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    found = tables()
+    assert {"table2 torch", "table2 llama.cpp", "regime", "plan", "spec_bench"} <= set(found)
+    stale = [name for name, text in found.items() if text not in readme]
+    assert not stale, f"README.md lacks these tables as results/ gives them: {stale} (python -m paper_figs.readme)"
