@@ -15,8 +15,8 @@ Prefetch (speculation; outside any forward):
   waste       issued and not used by it                               = issued − hits
   misses      verifier experts needed, not resident at verify start, not prefetched (loaded on demand)
 Oracle (`summary()["oracle"]`, decode requests only): Belady's MIN on the run's trace of requested
-  experts with room for `capacity` = the most experts the run held on the accelerator at once
-  (cache ∪ round working set ∪ loads in flight, as the store reports it): the fewest loads any cache
+  experts with room for `capacity` = the most experts the run held on the accelerator at once while
+  decoding (cache ∪ round working set ∪ loads in flight, as the store reports it): the fewest loads any cache
   or prefetcher with that memory could have made (`draftexpert.runtime.oracle`).
 Counters only: totals sum them over forwards, `summary()` also splits them by phase; every ratio
 (loading share, hit rate, coverage, …) is derived once, in `draftexpert.metrics`.
@@ -123,7 +123,10 @@ class Ledger:
         self.note_resident(len(self.initial))
 
     def note_resident(self, experts: int) -> None:
-        """The store holds `experts` experts on the accelerator now (the oracle's capacity is the peak)."""
+        """The store holds `experts` experts on the accelerator now (the oracle's capacity is the peak over
+        decoding: a prefill's one-layer request of nearly every expert is transient, not decode's memory)."""
+        if self._current is not None and self._current.phase.startswith("prefill"):
+            return
         if experts > self.peak_resident:
             self.peak_resident = experts
 
