@@ -50,6 +50,19 @@ def spec_compare_page(res: dict, per_suite: int, tokens: int, threads: int, devi
     )
 
 
+def table3_page(res: dict, per_suite: int, suites: tuple[str, ...], tokens: int, threads: int) -> str:
+    """Table 3 for one model on mn (a `bench compare --set table3` result)."""
+    return (
+        f"{res['model']} on mn (Q4_0 experts from flash, cold), {per_suite} prompts each of "
+        f"{' + '.join(suites)}, {tokens} new tokens, greedy, every drafter at a fixed K = 4 (no truncation, no "
+        f"prefetch), DraftExpert's draft experts: {_draft_experts(res)}, {threads} thread. α = accepted ÷ drafted "
+        "draft tokens; draft uniq / verify uniq = layer-experts the drafter ran / the verify block touched per "
+        f"round (the paper's Table 3 'Unique'). Tokens equal AR: {res['tokens_equal_ar']}.\n\n"
+        + spec_table.table(res)
+        + "\n"
+    )
+
+
 def table4_page(res: dict, per_suite: int, tokens: int, threads: int) -> str:
     """Table 4 for one model and engine on mn (a `bench compare --set table4` result)."""
     where = (

@@ -77,6 +77,14 @@ def test_reproduce_writes_fig1a_and_lists_pending(tmp_path):
         assert "| MN (paper) |" in (tmp_path / "table1_platforms.md").read_text()
         f3 = (tmp_path / f"fig3_{model}_mn.md").read_text()
         assert "| top-1 |" in f3 and "| draftexpert |" in f3 and (tmp_path / "figures" / f"fig3_{model}.png").exists()
+        t3 = json.loads((tmp_path / f"table3_{model}_mn.json").read_text())  # the drafting bar's setting
+        assert set(t3["methods"]) == {"ar", "top-1", "top-2", "top-3", "draftexpert"} and all(
+            t3["tokens_equal_ar"].values()
+        )
+        assert {
+            r["method_args"]["k_max"] for r in t3["methods"].values() if r["method_args"].get("truncate") is False
+        } == {4}
+        assert "fixed K = 4" in (tmp_path / f"table3_{model}_mn.md").read_text()
         t4 = json.loads((tmp_path / f"table4_{model}_mn.json").read_text())
         assert set(t4["methods"]) == {"ar", "fixed-k", "conf-exp", "conf-exp-prefetch"}
         assert all(t4["tokens_equal_ar"].values()) and t4["methods"]["fixed-k"]["verify_cost_x_ar"] > 0

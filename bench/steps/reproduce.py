@@ -127,6 +127,7 @@ def _compare_set(
     device: str | None = None,
     folders: dict[str, Path] | None = None,
     dtype: str = "fp32",
+    suites: tuple[str, ...] | None = None,
 ) -> dict:
     """One `bench compare` set for a tiny model on mn (Q4_0, the library's default round settings; resumable),
     its per-prompt tokens dropped from the result; `platform` cg moves the checkpoint's experts from
@@ -146,7 +147,9 @@ def _compare_set(
             **({"dtype": dtype} if platform == "cg" else {}),
         ),
         folder,
-        prompts.load(limit=per_suite),
+        [p for suite in suites for p in prompts.load(suite, limit=per_suite)]
+        if suites
+        else prompts.load(limit=per_suite),
         results_dir / "runs" / f"compare-{model}-{platform}{tag}",
         lambda qt: expert_file_for(model, folder, qt, log=log),
         collect(expert_storage(), keep_probe=True),
@@ -277,6 +280,30 @@ def table4(
             captions.table4_page(res, per_suite, tokens, FIG1B_THREADS)
         )
         written += [f"results/table4_{model}_mn{tag}.md", f"results/table4_{model}_mn{tag}.json"]
+    return written
+
+
+TABLE3_SUITES = ("gsm8k", "chat")  # the paper's Table 3 reads math and chat prompts
+
+
+def table3(
+    results_dir: Path,
+    log,
+    per_suite: int = FIG1B_PER_SUITE,
+    tokens: int = FIG1B_TOKENS,
+    models: tuple[str, ...] = TINY_MODELS,
+    folders: dict[str, Path] | None = None,
+) -> list[str]:
+    """Table 3 on mn: every drafter at a fixed K = 4 (no truncation, no prefetch) on gsm8k + chat —
+    acceptance and footprint beside the paper's, the stand-ins' drafting bar."""
+    written = []
+    for model in models:
+        res = _compare_set(results_dir, log, model, per_suite, tokens, "table3", folders=folders, suites=TABLE3_SUITES)
+        write_json_atomic(results_dir / f"table3_{model}_mn.json", res)
+        (results_dir / f"table3_{model}_mn.md").write_text(
+            captions.table3_page(res, per_suite, TABLE3_SUITES, tokens, FIG1B_THREADS)
+        )
+        written += [f"results/table3_{model}_mn.md", f"results/table3_{model}_mn.json"]
     return written
 
 
@@ -676,6 +703,8 @@ def reproduce(
             done += crosscheck(
                 results_dir, log, None if per_suite >= FIG1B_PER_SUITE else per_suite, min(tokens, 32), models=models
             )
+        log("Table 3: every drafter at a fixed K = 4 on gsm8k + chat, " + ", ".join(models) + " on mn")
+        done += table3(results_dir, log, per_suite, tokens, models=models)
         log("Fig. 3: draft-side unique experts vs draft length, " + ", ".join(models) + " on mn")
         done += fig3(results_dir, log, per_suite, tokens, models=models)
         log("Figs. 4-5: verify cost and unique experts vs block length, " + ", ".join(models) + " on mn")
