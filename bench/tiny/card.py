@@ -15,26 +15,23 @@ import numpy as np  # noqa: E402
 
 from draftexpert.runtime.params import breakdown  # noqa: E402
 
+TRAVELS_MIB = 19.0  # weights at most this leave room for the draft experts under 20 MiB
+
 WHY = """\
 ## Why these dimensions
 
-Two constraints pull against each other (the paper's regime vs this machine):
+Three constraints pull against each other (the paper's regime, this machine, the machines it travels to):
 
-- **Expert loading must dominate offloaded decoding** (Fig. 1b). A lean decode step here costs a
-  roughly fixed 1–5 ms per token, and O_DIRECT reads from this machine's storage run at
-  ~1–2.7 GB/s for 0.1–1 MiB reads. With hidden 256 and `moe_intermediate_size` 128 one routed
-  expert is 3·256·128 = 98,304 parameters = **192 KiB in bf16** (54 KiB in Q4_0); a token loads
-  6 experts × 5 MoE layers = 30 experts = **5.6 MiB** (bf16), i.e. ~2–4 ms of storage time, the
-  same order as the compute. A calibration run on this machine class before the project began
-  (a throwaway lean step, random weights, this shape) put loading at 49–64% of a compiled decode
-  step at bf16; intermediate 256 would double the bytes (58–65%) but also the weights. The
-  project's own measurement is Fig. 1b (`results/fig1b_breakdown.md`).
-- **Size and training budget.** The committed weights of both models must stay under ~150 MB
-  (bf16): at intermediate 128 each model is {total_m:.1f}M parameters = {mb:.0f} MB in bf16, so both
-  together are {mb2:.0f} MB; intermediate 256 would be ~130 MB each. This shape trained at a median
-  {tok_s:.0f} tokens/s on one thread here (this run's log), so ~1.5 CPU-hours buy a few million tokens.
-- **Routed experts dominate the weights**: {routed_pct:.1f}% here (the bar is ≥ 80%; 91.6% in ds),
-  because the embedding and attention are small (vocab 4,096, 8 heads, kv_lora 64).
+- **Expert loading must matter in offloaded decoding** (Fig. 1b). With hidden {hidden} and
+  `moe_intermediate_size` {inter} one routed expert is 3·{hidden}·{inter} = {expert:,} parameters =
+  **{expert_kib:.0f} KiB in bf16** ({expert_q4_kib:.0f} KiB in Q4_0); a token loads {k} experts × {moe} MoE layers
+  = {per_token} experts = **{token_mib:.2f} MiB** (bf16). The project's measurement of the split is Fig. 1b
+  (`results/fig1b_breakdown.md`), and the regime sweep caps the storage where loading must dominate.
+- **Size and training budget.** {total_m:.2f}M parameters = {mib:.1f} MiB in bf16 ({shards}){travels}.
+  This run trained at a median {tok_s:.0f} tokens/s (its log).
+- **The routed experts' share**: {routed_pct:.1f}% of the weights (91.6% in ds) and {token_pct:.1f}% of what a
+  decoded token reads (DeepSeek-V2-Lite: 55.1%, Moonlight: 52.3%; `bench params`): the {vocab:,}-token
+  head{tied} and attention ({heads} heads, kv_lora {kv}) are what keep it from more at this width.
 """
 
 
@@ -160,11 +157,29 @@ def write_card(folder: Path, name: str, reproduce_cmd: str) -> Path:
         f"{6 * b['n_routed_experts_total'] // cfg['n_routed_experts'] * b['routed_expert_mib_bf16']:.1f} MiB bf16",
         "",
         WHY.format(
+            hidden=cfg["hidden_size"],
+            inter=cfg["moe_intermediate_size"],
+            expert=b["routed_expert_params_each"],
+            expert_kib=b["routed_expert_mib_bf16"] * 1024,
+            expert_q4_kib=b["routed_expert_mib_q4_0"] * 1024,
+            k=cfg["num_experts_per_tok"],
+            moe=b["n_routed_experts_total"] // cfg["n_routed_experts"],
+            per_token=cfg["num_experts_per_tok"] * b["n_routed_experts_total"] // cfg["n_routed_experts"],
+            token_mib=2 * b["routed_per_token"] / 2**20,
             total_m=b["total"] / 1e6,
-            mb=2 * b["total"] / 1e6,
-            mb2=4 * b["total"] / 1e6,
-            routed_pct=100 * b["routed_share"],
+            mib=2 * b["total"] / 2**20,
+            shards=_weights(folder),
+            travels=", small enough that a target and its draft experts stay under 20 MiB and travel to an "
+            "accelerator machine (at most 64 MiB of tree, files of 16 MiB back)"
+            if 2 * b["total"] / 2**20 <= TRAVELS_MIB
+            else "",
             tok_s=float(np.median([r["tokens_per_s"] for r in log if "tokens_per_s" in r])),
+            routed_pct=100 * b["routed_share"],
+            token_pct=100 * b["token_routed_share"],
+            vocab=cfg["vocab_size"],
+            tied=", tied to the embedding," if cfg.get("tie_word_embeddings") else "",
+            heads=cfg["num_attention_heads"],
+            kv=cfg["kv_lora_rank"],
         ),
         "## Training",
         "",

@@ -250,7 +250,7 @@ class CostController:
 
 class DrafterChoice:
     """`--method auto`: which drafter a round drafts with, or none (an AR step), by the same prices.
-    One `CostController` per drafter (its acceptance, draft forward and miss ratio its own; the verify
+    One `CostController` per drafter (its acceptance, draft forward, footprint and load ratio its own; the verify
     pass priced once for the engine); each round goes to the drafter whose best priced rate is the
     highest, or to AR when none beats it. Calibration: each drafter drafts until priced, then one AR
     step is timed. Exploration: one round in `interval` goes to the drafter drafted least recently (its
