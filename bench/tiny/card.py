@@ -46,8 +46,19 @@ def _curves(log: list[dict], out: Path) -> Path:
     ax.plot([r["step"] for r in ev], [r["val_loss"] for r in ev], "o-", label="validation cross-entropy")
     ax.set_xlabel("step")
     ax.set_ylabel("nats / token")
-    ax.legend()
     ax.grid(alpha=0.3)
+    ties = [r for r in ev if "val_near_ties" in r]
+    if ties:  # the drafting bound: how often the target hesitates between its top two tokens
+        ax2 = ax.twinx()
+        ax2.plot([r["step"] for r in ties], [r["val_near_ties"] for r in ties], "s--", color="C3", ms=3,
+                 label="held-out near-ties (p1 − p2 < 0.05), right axis")  # fmt: skip
+        ax2.set_ylabel("share of positions")
+        ax2.set_ylim(0, 1)
+        lines = ax.get_legend_handles_labels()
+        more = ax2.get_legend_handles_labels()
+        ax.legend(lines[0] + more[0], lines[1] + more[1], fontsize=7)
+    else:
+        ax.legend()
     fig.tight_layout()
     fig.savefig(out, dpi=130)
     plt.close(fig)
