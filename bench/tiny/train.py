@@ -292,8 +292,8 @@ def train(cfg: TrainConfig, data_dir: Path, out_dir: Path, log=print, model_conf
                 )
                 if "val_loss" in rec:
                     msg += (
-                        f" val {rec['val_loss']:.3f} ent {min(rec['usage_entropy']):.3f} "
-                        f"max {max(rec['max_share_x_uniform']):.2f}x"
+                        f" val {rec['val_loss']:.3f} near-ties {rec['val_near_ties']:.3f} "
+                        f"ent {min(rec['usage_entropy']):.3f} max {max(rec['max_share_x_uniform']):.2f}x"
                     )
                 log(msg)
             rec["tokens_seen"] = step * cfg.batch_size * cfg.seq_len
