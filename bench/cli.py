@@ -1782,6 +1782,38 @@ def _eval_and_card(model: str, folder: Path, limit: int | None) -> dict:
     return result
 
 
+def _evaluate_checkpoint(model: str, path: Path, limit: int | None) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from bench.tiny import evaluate as ev
+    from bench.tiny.configs import TINY_CONFIGS
+    from bench.tiny.tokenizer import token_data_for
+    from draftexpert.runtime.checkpoint import load_tokenizer
+
+    try:
+        st = torch.load(path, weights_only=False, map_location="cpu")
+        target = AutoModelForCausalLM.from_config(TINY_CONFIGS[model]())
+        target.load_state_dict(st["model"])
+    except (OSError, KeyError, RuntimeError, ValueError) as e:
+        fail(f"--checkpoint: {path} is not a {model} training state ({type(e).__name__}: {str(e)[:200]})")
+    target.eval()
+    committed = registry.EMBEDDED_DIR / model
+    tok = load_tokenizer(committed)
+    try:
+        data_dir = token_data_for(committed, CORPUS_DIR, DATA_DIR, log=log)
+    except FileNotFoundError as e:
+        fail(str(e))
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        result = ev.evaluate(target, ev.load_split(data_dir, "val"), ev.load_split(data_dir, "train"), limit=limit)
+    result.update(
+        model=model, step=st["step"], tokens_seen=st["step"] * st["config"]["batch_size"] * st["config"]["seq_len"]
+    )
+    result["repetition"] = ev.repetition(target, tok)
+    return result
+
+
 def _evaluate(model: str, folder: Path, limit: int | None, continuations: bool) -> dict:
     import torch
 
@@ -1814,10 +1846,32 @@ def model_eval(
         ),
     ] = None,
     card: Annotated[bool, typer.Option("--card", help="Also rewrite the model card from this evaluation.")] = False,
+    checkpoint: Annotated[
+        Path | None,
+        typer.Option(
+            "--checkpoint",
+            help="A training run's state.pt (`bench model train --out`): evaluate its weights in the registered "
+            "shape with the committed tokenizer, the run going on.",
+        ),
+    ] = None,
     as_json: JsonOpt = False,
 ):
-    """Validation perplexity vs the unigram baseline, and per-layer expert usage."""
+    """Validation perplexity vs the unigram baseline, per-layer expert usage, and (--checkpoint) how sure
+    the target is of its own greedy continuations — the positions acceptance is measured on."""
     _tiny(model)
+    if checkpoint is not None:
+        if card:
+            fail("--card: a checkpoint has no model folder to write a card into")
+        r = _evaluate_checkpoint(model, checkpoint, limit)
+        rep = r["repetition"]
+        text = (
+            f"{model} at step {r['step']} ({r['tokens_seen']:,} tokens): validation perplexity {r['perplexity']:.2f} "
+            f"on {r['tokens']:,} tokens; on its greedy continuations of {rep['prompts']} prompts: mean top-1 "
+            f"probability {rep['top1_prob']:.3f}, near-ties {rep['near_tie_share']:.3f}, repeated 4-grams "
+            f"{rep['mean_repeated_4gram_share']:.3f}"
+        )
+        emit({k: v for k, v in r.items() if k != "usage_share"}, as_json, text)
+        return
     folder = resolve_or_fail(model, model_path)
     if card:
         r = _eval_and_card(model, folder, limit)

@@ -21,6 +21,9 @@ from bench.tiny.evaluate import evaluate, repeated_ngram_share
 from bench.tiny.pack import PackError, pack, unpack
 from bench.tiny.tokenizer import CHAT_TEMPLATE, prepare, train_tokenizer
 from bench.tiny.train import TrainConfig, balance_loss, train
+from tests.conftest import run_bench
+
+REPO = Path(__file__).resolve().parents[1]
 
 MODELS = registry.EMBEDDED_DIR
 
@@ -318,3 +321,30 @@ def test_the_corpus_pack_round_trips_and_refuses_a_damaged_one(tmp_path):
         unpack(tmp_path / "pack", tmp_path / "d4", tmp_path / "c4", log=lambda m: None)
     with pytest.raises(PackError, match="not a corpus pack"):
         unpack(tmp_path / "nothing", tmp_path / "d5", tmp_path / "c5", log=lambda m: None)
+
+
+def test_a_training_state_is_evaluated_on_its_own_continuations_while_it_runs(tmp_path):
+    """`bench model eval --checkpoint`: the registered shape, the committed tokenizer, the state's weights;
+    how sure the target is of each token it emits (mean top-1 probability, near-tie share) and its loops."""
+    work = tmp_path / "work"
+    data = work / "data"
+    (data / "tokenizer").mkdir(parents=True)
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        (data / "tokenizer" / f).write_bytes((REPO / "models" / "ds-tiny" / f).read_bytes())
+    rng = np.random.default_rng(0)
+    for split in ("train", "val"):
+        rng.integers(3, 4096, 4_000, dtype=np.uint16).tofile(data / f"{split}.bin")
+    cfg = TrainConfig(model="ds-tiny", steps=1, batch_size=1, seq_len=16, warmup=1, eval_every=1, eval_batches=1,
+                      bf16=False)  # fmt: skip
+    train(cfg, data, tmp_path / "run", log=lambda m: None)
+    p = run_bench("model", "eval", "--model", "ds-tiny", "--checkpoint", str(tmp_path / "run" / "state.pt"),
+                  "--limit", "1", "--json", env={"DRAFTEXPERT_WORK": str(work)})  # fmt: skip
+    assert p.returncode == 0, p.stderr[-2000:]
+    r = json.loads(p.stdout)
+    rep = r["repetition"]
+    assert r["step"] == 1 and r["tokens_seen"] == 16 and rep["prompts"] == 12
+    assert 0 < rep["top1_prob"] <= 1 and 0 <= rep["near_tie_share"] <= 1
+    assert sum(row["near_ties"] for row in rep["rows"]) <= sum(row["tokens"] for row in rep["rows"])
+    bad = run_bench("model", "eval", "--model", "ds-tiny", "--checkpoint", str(tmp_path / "nothing.pt"),
+                    env={"DRAFTEXPERT_WORK": str(work)})  # fmt: skip
+    assert bad.returncode != 0 and "--checkpoint" in bad.stderr

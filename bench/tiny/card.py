@@ -261,7 +261,14 @@ def write_card(folder: Path, name: str, reproduce_cmd: str) -> Path:
             f"**{rep['mean_repeated_4gram_share']:.0%}** of their token 4-grams repeat an earlier 4-gram of the "
             f"same continuation (mean over prompts); the most common opening (first 4 tokens, "
             f"`{rep['most_shared_opening'].strip()}`) is shared by **{rep['max_shared_opening']}** of "
-            f"{rep['prompts']} prompts.",
+            f"{rep['prompts']} prompts."
+            + (
+                f" How sure the target is of each token it emitted (the positions acceptance is measured on): "
+                f"mean top-1 probability **{rep['top1_prob']:.3f}**, near-ties (p1 − p2 < 0.05) at "
+                f"**{rep['near_tie_share']:.0%}** of them."
+                if "near_tie_share" in rep
+                else ""
+            ),
             "",
             "| prompt | repeated 4-grams | opening |",
             "|---|---|---|",

@@ -28,6 +28,8 @@ import torch.nn.functional as F
 from bench.suites import prompts as suites
 from draftexpert.engines.reference import ReferenceDecoder
 
+NEAR_TIE = 0.05  # a top-1 margin p(1st) − p(2nd) below which a drafter's argmax agrees little better than a coin
+
 
 def windows(data: np.ndarray, seq_len: int, limit: int | None) -> list[np.ndarray]:
     """`limit` non-overlapping windows of seq_len + 1 tokens spread evenly over the whole split
@@ -166,7 +168,11 @@ def repetition(model, tokenizer, max_new_tokens: int = 64, per_suite: int = REPE
     dec = ReferenceDecoder(model)
     rows = []
     for p in suites.load(limit=per_suite):
-        toks = dec.generate(suites.render_prompt(tokenizer, p["prompt"]), max_new_tokens, tokenizer.eos_token_id).tokens
+        ids = suites.render_prompt(tokenizer, p["prompt"])
+        toks = dec.generate(ids, max_new_tokens, tokenizer.eos_token_id).tokens
+        # how sure the target is of each token it emitted: the positions α is measured on
+        logits = model(input_ids=torch.tensor([ids + toks[:-1]])).logits[0, len(ids) - 1 :].float()
+        top2 = logits.softmax(-1).topk(2, dim=-1).values
         rows.append(
             {
                 "id": p["id"],
@@ -174,6 +180,8 @@ def repetition(model, tokenizer, max_new_tokens: int = 64, per_suite: int = REPE
                 "repeated_4gram_share": repeated_ngram_share(toks),
                 "opening": tokenizer.decode(toks[:4]),
                 "opening_ids": toks[:4],
+                "top1_prob_sum": top2[:, 0].sum().item(),
+                "near_ties": int((top2[:, 0] - top2[:, 1] < NEAR_TIE).sum()),
             }
         )
     openings = Counter(tuple(r["opening_ids"]) for r in rows if len(r["opening_ids"]) == 4)
@@ -184,6 +192,8 @@ def repetition(model, tokenizer, max_new_tokens: int = 64, per_suite: int = REPE
         "mean_repeated_4gram_share": float(np.mean([r["repeated_4gram_share"] for r in rows])),
         "max_shared_opening": count,
         "most_shared_opening": tokenizer.decode(list(top)),
+        "top1_prob": sum(r["top1_prob_sum"] for r in rows) / max(1, sum(r["tokens"] for r in rows)),
+        "near_tie_share": sum(r["near_ties"] for r in rows) / max(1, sum(r["tokens"] for r in rows)),
         "rows": rows,
     }
 
