@@ -41,7 +41,7 @@ def test_a_position_judged_rarely_borrows_the_estimate_of_the_one_before():
 def test_uncalibrated_it_drafts_as_the_paper_would_then_times_an_ar_step():
     c = CostController(4)
     assert c.draft_this_round() and c.keep(1, 30, 60, True)
-    c.costs.observe_draft(2, 2e-3)
+    c.costs.observe_draft([(1, 1e-3), (1, 1e-3)])
     c.costs.observe_verify(3, 3e-3, 40)  # a 3-position verify: no one-position round timed yet
     c.costs.observe_loads(40, 2e-3)
     assert not c.costs.ready and not c.draft_this_round()  # an AR step, to time one
@@ -104,11 +104,11 @@ def test_auto_calibrates_every_drafter_then_times_an_ar_step():
     ch = DrafterChoice(["a", "b"], k_max=4)
     assert ch.choose() == "a"
     a = ch.arms["a"].costs
-    a.observe_draft(2, 1e-3)
+    a.observe_draft([(1, 5e-4), (1, 5e-4)])
     a.observe_verify(3, 3e-3, 40)
     a.observe_loads(40, 4e-3)
     assert ch.choose() == "b"  # the verify prices are shared; b's draft forward is not timed yet
-    ch.arms["b"].costs.observe_draft(2, 2e-3)
+    ch.arms["b"].costs.observe_draft([(1, 1e-3), (1, 1e-3)])
     assert ch.choose() is None  # every drafter timed: one AR step, to time a one-position round
     a.observe_verify(1, 1e-3, 30)
     assert ch.arms["b"].costs.ready and ch.choose() in ("a", "b")
@@ -129,3 +129,15 @@ def test_auto_explores_the_drafter_drafted_least_recently():
     drafted = [p for p in picks if p is not None]
     assert drafted == ["de", "top-3", "top-1"]  # one exploration per interval, each drafter in turn
     assert picks.index("top-3") - picks.index("de") == 33  # the interval doubled
+
+
+def test_a_catch_up_forward_does_not_price_the_next_rounds_draft_forwards():
+    """After AR steps the drafter's first forward runs every token committed meanwhile (here 40):
+    averaged in, it would price a one-token draft forward at ~10× and keep the controller on AR."""
+    c = CostController(4)
+    c.costs.observe_draft([(1, 1e-3)] * 5)
+    c.costs.observe_draft([(40, 30e-3), (1, 1e-3), (1, 1e-3), (1, 1e-3), (1, 1e-3)])
+    assert c.costs.draft_s.value == pytest.approx(1e-3)
+    c2 = CostController(4)
+    c2.costs.observe_draft([(2, 1.5e-3)])  # a round with no one-token forward: priced by what it has
+    assert c2.costs.draft_s.value == pytest.approx(1.5e-3)

@@ -92,10 +92,14 @@ class CostModel:
         else:
             self.verify_s.add(compute_s / positions)
 
-    def observe_draft(self, forwards: int, compute_s: float) -> None:
-        """A round's draft forwards: their compute (wall less their own loads' stall)."""
-        if forwards:
-            self.draft_s.add(compute_s / forwards)
+    def observe_draft(self, forwards: list[tuple[int, float]]) -> None:
+        """A round's draft forwards, (tokens, compute: wall less their own loads' stall) each. A draft
+        forward in a round runs one token; the first of a round may run more — the tokens committed
+        while this drafter sat out (AR steps, another drafter's rounds) — and is not what the next
+        round's forwards cost: a round's one-token forwards price it where it has any."""
+        steady = [s for t, s in forwards if t == 1] or [s for _, s in forwards]
+        if steady:
+            self.draft_s.add(sum(steady) / len(steady))
 
     def observe_loads(self, loads: int, stall_s: float) -> None:
         """A round's layer-experts loaded (on demand by any forward, or prefetched) and the seconds its

@@ -229,8 +229,7 @@ class SpeculativeDecoder:
         draft forwards' wall time, the verify pass's compute, the round's loads and their stall."""
         ctl, c = self.ctl, self.ctl.costs
         nan0 = lambda x: 0.0 if x != x else x  # noqa: E731 - a stall not observable (llama.cpp's page faults)
-        drafts = [f for f in forwards if f.phase == "draft"]
-        c.observe_draft(len(drafts), sum(f.wall_s - nan0(f.stall_s) for f in drafts))
+        c.observe_draft([(f.tokens, f.wall_s - nan0(f.stall_s)) for f in forwards if f.phase == "draft"])
         for f in forwards:
             if f.phase == "verify":
                 c.observe_verify(f.tokens, f.wall_s - nan0(f.stall_s), f.loads)
