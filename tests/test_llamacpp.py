@@ -475,3 +475,28 @@ def test_auto_on_llama_cpp_equals_ar_whichever_drafter_it_takes(ckpt):
         m.close()
     target.close()
     pages.close()
+
+
+def test_speculation_with_a_staging_budget_equals_ar_and_reads_less(ckpt):
+    """A drafter with experts kept staged across rounds (`--staging-budget` on a speculative method:
+    the LRU of whole experts an AR + cache run keeps, the round's eviction keeping the most recently
+    routed) emits llama.cpp's AR tokens and reads fewer expert bytes than its cold rounds."""
+    head, experts = model_files(ckpt, "q4_0")
+    de_head, _ = model_files(ckpt, "q4_0", random_draft(ckpt), name="draftexpert")
+    router = load_router(ckpt)
+    pages = ExpertPages(experts)
+    target = LlamaModel(head, 256, 1)
+    want = [AROffloadDecoder(LlamaEngine(target, pages)).generate(ids, 24, None).tokens for ids in PROMPTS]
+    budget = 40 * pages.nbytes[min(pages.nbytes)]
+    moved = {}
+    for b in (0, budget):
+        drafter = LlamaModel(de_head, 256, 1, tap_router_logits=True)
+        engine = LlamaEngine(target, pages, drafter, router, name="draftexpert", staging_budget=b)
+        spec = SpeculativeDecoder(engine, SpecConfig(k_max=4))
+        outs = [spec.generate(ids, 24, None) for ids in PROMPTS]
+        assert [o.tokens for o in outs] == want, b
+        moved[b] = sum(metrics.derive(metrics.counters(o.stats))["moved_bytes"] for o in outs)
+        drafter.close()
+    assert 0 < moved[budget] < 0.9 * moved[0]
+    target.close()
+    pages.close()
