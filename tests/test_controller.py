@@ -21,7 +21,7 @@ def priced(load_s: float, draft_s: float, verify_s: float, accept: float, new_pe
 
 
 def test_expected_tokens_is_the_accepted_prefix_and_the_targets_own():
-    a = Acceptance(3)
+    a = Acceptance(3, decay=1.0)  # every round counted the same
     assert a.expected_tokens(0) == 1 and a.expected_tokens(2) == pytest.approx(1 + 0.5 + 0.25)  # the prior
     for _ in range(98):
         a.add(drafted=3, accepted=3)
@@ -29,6 +29,20 @@ def test_expected_tokens_is_the_accepted_prefix_and_the_targets_own():
     assert a.trials == [99, 98, 98] and a.accepted == [98, 98, 98]
     a1 = (98 + 2 * 0.5) / (99 + 2)
     assert a.at(0) == pytest.approx(a1) and a.at(1) == pytest.approx((98 + 2 * a1) / (98 + 2))
+
+
+def test_older_rounds_weigh_less_so_the_estimate_follows_a_new_prompt():
+    for decay, moves in ((0.95, True), (1.0, False)):
+        a = Acceptance(2, decay=decay)
+        for _ in range(100):
+            a.add(drafted=2, accepted=2)  # one prompt: every draft passes
+        for _ in range(15):
+            a.add(drafted=2, accepted=0)  # the next: v_1 rejected every round
+        assert (a.at(0) < 0.5) is moves, (decay, a.at(0))
+    assert a.at(0) > 0.8  # undiscounted, 100 old rounds outvote 15 new ones
+    a = Acceptance(2)
+    a.add(drafted=0, accepted=0)  # an AR step judges nothing: nothing decays
+    assert a.trials == [0, 0]
 
 
 def test_a_position_judged_rarely_borrows_the_estimate_of_the_one_before():
@@ -123,12 +137,24 @@ def test_auto_takes_the_best_priced_drafter_or_ar():
     assert rates[None] > max(rates["de"], rates["top-3"])
 
 
-def test_auto_explores_the_drafter_drafted_least_recently():
+def test_auto_explores_each_drafter_on_its_own_doubling_interval():
     ch = chooser({"de": 0.2, "top-3": 0.3, "top-1": 0.25}, {"de": 1e-3, "top-3": 1e-3, "top-1": 1e-3})
-    picks = [ch.choose() for _ in range(1 + 17 + 33 + 65)]
-    drafted = [p for p in picks if p is not None]
-    assert drafted == ["de", "top-3", "top-1"]  # one exploration per interval, each drafter in turn
-    assert picks.index("top-3") - picks.index("de") == 33  # the interval doubled
+    picks = [ch.choose() for _ in range(116)]
+    explored = {n: [i + 1 for i, p in enumerate(picks) if p == n] for n in ch.arms}
+    # AR is priced best; a drafter sat out for its interval drafts once (the stalest first), and its
+    # interval doubles: 16, 32, 64 rounds
+    assert explored == {"de": [17, 50, 115], "top-3": [18, 51, 116], "top-1": [19, 52]}
+
+
+def test_two_arms_trading_the_lead_do_not_starve_a_third():
+    """A single exploration clock reset at every change of the priced best never ran out while AR and
+    one drafter, priced alike, took turns: the third drafter was never tried again."""
+    ch = chooser({"a": 0.6, "c": 0.2}, {"a": 1e-3, "c": 1e-3})
+    flips = iter([{"a": 2.0, "c": 0.5, None: 1.0}, {"a": 0.9, "c": 0.5, None: 1.0}] * 20)
+    ch.rates = lambda: next(flips)
+    picks = [ch.choose() for _ in range(40)]
+    assert picks.index("c") == 16 and picks.count("c") == 1  # round 17: sat out its interval
+    assert set(picks) == {"a", None, "c"}
 
 
 def test_a_catch_up_forward_does_not_price_the_next_rounds_draft_forwards():

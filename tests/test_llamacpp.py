@@ -464,6 +464,9 @@ def test_auto_on_llama_cpp_equals_ar_whichever_drafter_it_takes(ckpt):
     }
     engine = LlamaEngine(target, pages, router=load_router(ckpt), name="auto", drafters=drafters)
     spec = SpeculativeDecoder(engine, SpecConfig(k_max=4, controller="cost"), drafters=list(drafters))
+    x0 = []  # every x_0 footprint the arms were priced by
+    for arm in spec.choice.arms.values():
+        arm.x0_new.add = lambda v, add=arm.x0_new.add: (x0.append(v), add(v))
     for ids in PROMPTS:
         assert spec.generate(ids, 24, None).tokens == ar.generate(ids, 24, None).tokens
     for forced in [*drafters, None, "top-1", "draftexpert"]:  # switches: a drafter left behind catches up
@@ -471,6 +474,9 @@ def test_auto_on_llama_cpp_equals_ar_whichever_drafter_it_takes(ckpt):
         out = spec.generate(PROMPTS[1], 24, None)
         assert out.tokens == ar.generate(PROMPTS[1], 24, None).tokens, forced
         assert set(out.stats["auto_rounds"]) == {forced or "ar"}
+    # x_0's footprint is one position's: at most its verify experts and what the drafter ran for it
+    # (a catch-up forward over the tokens committed meanwhile touches many more: not x_0's, not priced)
+    assert x0 and max(x0) <= 2 * len(MOE) * COMMON["num_experts_per_tok"], x0
     for m in drafters.values():
         m.close()
     target.close()

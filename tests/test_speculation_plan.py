@@ -93,8 +93,8 @@ def test_a_calibration_warms_the_acceptance_and_weighs_at_most_its_rounds():
     assert acc.at(0) == pytest.approx((16 + 2 * 0.5) / 22)  # shrunk towards ½ by 2 pseudo-trials
     cold, warm = CostController(4), CostController(4, prior=([100] * 4, [80, 60, 30, 0]))
     assert cold.acc.at(1) == pytest.approx(0.5) and warm.acc.at(1) > 0.7
-    warm.observe(4, 0, [])  # the run's own rounds move it
-    assert warm.acc.trials[0] == pytest.approx(33)
+    warm.observe(4, 0, [])  # the run's own rounds move it (the prior's weight decaying with them)
+    assert warm.acc.trials[0] == pytest.approx(32 * warm.acc.decay + 1)
 
 
 def test_a_profile_calibrates_each_drafter_at_its_k_or_is_refused_by_name(tmp_path):

@@ -110,11 +110,14 @@ class CostModel:
 
 class Acceptance:
     """Per-position acceptance, a_j = P(v_j accepted | v_1 … v_{j−1} accepted), counted over the
-    rounds seen (0.5 before any round)."""
+    rounds seen (0.5 before any round), older rounds weighing less: each round multiplies the counts
+    so far by `decay` (a discounted bandit's estimate — a drafter's acceptance moves with the prompt:
+    top-3 at K = 8 accepts 0.34 on one prompt of ds-tiny's regime sweep and 1.0 on the next)."""
 
-    def __init__(self, k_max: int, strength: float = 2.0):
+    def __init__(self, k_max: int, strength: float = 2.0, decay: float = 0.95):
         self.trials, self.accepted = [0] * k_max, [0] * k_max
         self.strength = strength  # pseudo-trials each position borrows from the one before it
+        self.decay = decay  # 1: every round seen counts the same; 0.95: a window of ~20 rounds
 
     def warm(self, drafted_at: list[int], accepted_at: list[int], rounds: int) -> None:
         """Start from another run's counts (`metrics.RoundStats`: rounds that drafted ≥ j+1 / accepted
@@ -128,6 +131,9 @@ class Acceptance:
             self.accepted[j] += min(accepted_at[j], judged) * scale
 
     def add(self, drafted: int, accepted: int) -> None:
+        if drafted and self.decay < 1:
+            self.trials = [t * self.decay for t in self.trials]
+            self.accepted = [a * self.decay for a in self.accepted]
         for j in range(min(drafted, accepted + 1)):  # v_j was judged iff every earlier one passed
             self.trials[j] += 1
             self.accepted[j] += j < accepted
@@ -257,9 +263,10 @@ class DrafterChoice:
     One `CostController` per drafter (its acceptance, draft forward, footprint and load ratio its own; the verify
     pass priced once for the engine); each round goes to the drafter whose best priced rate is the
     highest, or to AR when none beats it. Calibration: each drafter drafts until priced, then one AR
-    step is timed. Exploration: one round in `interval` goes to the drafter drafted least recently (its
-    acceptance would otherwise never move); the interval doubles while the choice stays (up to
-    `explore_max`) and is reset when the priced choice changes."""
+    step is timed. Exploration, per drafter: one not drafted for its interval (`explore` rounds at
+    first) drafts a round anyway (its acceptance would otherwise never move; the stalest first), and
+    its interval doubles (up to `explore_max`); it is reset whenever that drafter is priced best. Each
+    drafter keeps its own clock, so two arms priced alike and trading the lead do not starve a third."""
 
     def __init__(
         self,
@@ -277,8 +284,8 @@ class DrafterChoice:
             n: CostController(k_max, explore, explore_max, CostModel(shared), prior=priors.get(n)) for n in names
         }
         self.explore, self.explore_max = explore, explore_max
-        self.interval, self.since_change, self.best = explore, 0, None
-        self.last_drafted = dict.fromkeys(names, -1)  # round each drafter last drafted
+        self.interval = dict.fromkeys(names, explore)  # rounds each drafter may sit out before it is explored
+        self.last_drafted = dict.fromkeys(names, 0)  # round each drafter last drafted
         self.rounds = 0
 
     def rates(self) -> dict[str | None, float]:
@@ -306,13 +313,11 @@ class DrafterChoice:
             return None
         rates = self.rates()
         best = max(rates, key=rates.get)
-        if best != self.best:
-            self.best, self.interval, self.since_change = best, self.explore, 0
-            return best
-        self.since_change += 1
-        if self.since_change > self.interval:  # explore the drafter drafted least recently (not the best)
-            self.interval, self.since_change = min(2 * self.interval, self.explore_max), 0
-            others = [n for n in self.arms if n != best]
-            if others:
-                return min(others, key=self.last_drafted.get)
+        if best is not None:
+            self.interval[best] = self.explore
+        stale = [n for n in self.arms if n != best and self.rounds - self.last_drafted[n] > self.interval[n]]
+        if stale:  # explore the drafter drafted least recently
+            pick = min(stale, key=self.last_drafted.get)
+            self.interval[pick] = min(2 * self.interval[pick], self.explore_max)
+            return pick
         return best

@@ -70,7 +70,7 @@ class Draft:
     touched_at: list[int] = field(default_factory=list)  # |touched| when v_j was proposed (Fig. 3)
     prefetched: set[Key] = field(default_factory=set)
     new_at: list[int] = field(default_factory=list)  # the cost controller: new layer-experts each kept v_j added
-    x0_new: int | None = None  # the cost controller: new layer-experts after x_0's forward
+    x0_new: int | None = None  # the cost controller: new layer-experts after x_0's forward (None: a catch-up ran)
     footprint: set[Key] = field(default_factory=set)  # the cost controller: touched before v_i's forward
 
 
@@ -168,8 +168,10 @@ class SpeculativeDecoder:
         look_ahead = cfg.truncate or prefetch or ctl is not None
         out = Draft()
         resident = eng.resident() if ctl is not None else set()  # the cost controller: what the round need not load
-        logits = self._draft_forward(committed[eng.draft_length :], out)  # consumes x_0 (and any pending)
+        pending = committed[eng.draft_length :]  # x_0, after the tokens committed while this drafter sat out
+        logits = self._draft_forward(pending, out)
         out.footprint = set(out.touched)
+        catch_up = len(pending) > 1  # its experts are those tokens' too: not x_0's footprint
         self._keep(out, eng.predicted())  # x_0 is verified whatever is drafted: never truncated
         for i in range(1, k_limit + 1):
             q = probs(logits, cfg.temperature)
@@ -182,7 +184,7 @@ class SpeculativeDecoder:
                     # what the round loads: the drafter's experts, and the predicted ones where prefetched
                     ahead = out.predicted if prefetch else set()
                     kept = len((out.footprint | ahead) - resident)
-                    if i == 1:
+                    if i == 1 and not catch_up:
                         out.x0_new = kept
                     grown = len((out.touched | ahead | (predicted if prefetch else set())) - resident)
                     out.footprint = set(out.touched)
