@@ -97,6 +97,10 @@ class Engine(Protocol):
     def draft_length(self) -> int:
         """Positions in the drafter's KV cache (what it has consumed of the committed tokens)."""
 
+    def draft_lengths(self) -> dict[str, int]:
+        """`draft_length` of each drafter `select_drafter` takes (`--method auto`): one left out of rounds
+        lags behind the committed tokens, and its next draft forward consumes them first."""
+
     def draft_forward(self, ids: list[int]) -> torch.Tensor:
         """The drafter consumes `ids`; logits [V] of its last position."""
 

@@ -167,3 +167,26 @@ def test_a_catch_up_forward_does_not_price_the_next_rounds_draft_forwards():
     c2 = CostController(4)
     c2.costs.observe_draft([(2, 1.5e-3)])  # a round with no one-token forward: priced by what it has
     assert c2.costs.draft_s.value == pytest.approx(1.5e-3)
+
+
+def test_a_drafter_that_lags_pays_its_catch_up_so_a_switch_near_the_end_does_not():
+    """A llama.cpp drafter left out of rounds first consumes the tokens committed meanwhile: priced
+    per token as catch-ups measured, set against the seconds the rest of the sequence takes."""
+    ch = chooser({"a": 0.8, "b": 0.9}, {"a": 1e-3, "b": 1e-3})
+    for arm in ch.arms.values():
+        arm.x0_new.value = 30.0
+    ch.arms["b"].observe_catch_up(21, 1e-3 + 20 * 0.05)  # 50 ms a lagging token
+    assert ch.arms["b"].catch_up_s.value == pytest.approx(0.05)
+    rates = ch.rates()
+    assert rates["b"] > rates["a"]  # b is the better drafter once caught up
+    assert ch.choose({"a": 0, "b": 20}, remaining=1000) == "b"  # 1 s of catch-up is worth it over 1000 tokens
+    assert ch.choose({"a": 0, "b": 20}, remaining=8) == "a"  # not over the last 8
+    assert ch.choose({"a": 0, "b": 0}, remaining=8) == "b"
+
+
+def test_ar_steps_leave_the_drafter_behind_and_its_catch_up_is_priced():
+    c = priced(load_s=1e-3, draft_s=1e-4, verify_s=1e-3, accept=0.8)
+    c.x0_new.value = 30.0
+    assert c.priced_drafting() and c.priced_drafting(lag=0, remaining=4)
+    assert c.catch_up(10) == pytest.approx(10 * 1e-3 * 30)  # before any catch-up: x_0's loads per token
+    assert not c.priced_drafting(lag=200, remaining=4) and c.priced_drafting(lag=200, remaining=10_000)

@@ -470,7 +470,7 @@ def test_auto_on_llama_cpp_equals_ar_whichever_drafter_it_takes(ckpt):
     for ids in PROMPTS:
         assert spec.generate(ids, 24, None).tokens == ar.generate(ids, 24, None).tokens
     for forced in [*drafters, None, "top-1", "draftexpert"]:  # switches: a drafter left behind catches up
-        spec.choice.choose = lambda forced=forced: forced
+        spec.choice.choose = lambda *_, forced=forced: forced
         out = spec.generate(PROMPTS[1], 24, None)
         assert out.tokens == ar.generate(PROMPTS[1], 24, None).tokens, forced
         assert set(out.stats["auto_rounds"]) == {forced or "ar"}

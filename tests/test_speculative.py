@@ -488,7 +488,7 @@ def test_auto_is_exact_whichever_drafter_each_round_takes(models, store):
             seen[k] = seen.get(k, 0) + v
     assert set(names) <= set(seen)  # calibration drafts with each drafter
     for forced in [*names, None]:
-        dec.choice.choose = lambda forced=forced: forced
+        dec.choice.choose = lambda *_, forced=forced: forced
         ids = prompt(11, 8)
         out = dec.generate(ids, 24)
         assert out.tokens == ar_tokens(model, ids), forced
@@ -510,7 +510,7 @@ def test_under_auto_only_the_drafters_named_prefetch(models, store):
     dec = SpeculativeDecoder(engine, SpecConfig(k_max=4, controller="cost"), trace, drafters=names,
                              prefetching={"de-random"})  # fmt: skip
     for forced in names:
-        dec.choice.choose = lambda forced=forced: forced
+        dec.choice.choose = lambda *_, forced=forced: forced
         trace.clear()
         ids = prompt(5, 8)
         assert dec.generate(ids, 24).tokens == ar_tokens(model, ids)

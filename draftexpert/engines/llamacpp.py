@@ -639,6 +639,9 @@ class LlamaEngine:
     def draft_length(self) -> int:
         return self.drafter.n_tokens
 
+    def draft_lengths(self) -> dict[str, int]:
+        return {name: m.n_tokens for name, m in self.drafters.items()}  # a context each: one left out lags
+
     def draft_forward(self, ids: list[int]) -> torch.Tensor:
         return self._forward(self.drafter, ids, "draft")[-1]
 

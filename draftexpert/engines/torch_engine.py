@@ -77,6 +77,9 @@ class TorchEngine:
     def draft_length(self) -> int:
         return self.draft_cache.length
 
+    def draft_lengths(self) -> dict[str, int]:
+        return dict.fromkeys(self.drafters, self.draft_cache.length)  # one shared cache: none lags
+
     def draft_forward(self, ids: list[int]) -> torch.Tensor:
         return self.model.forward(torch.tensor(ids), self.draft_cache, phase="draft", path=self.path)[-1]
 

@@ -190,6 +190,7 @@ class CostController:
         self.x0_new = Ema()  # … after x_0's forward
         self.new_per_position = Ema()  # … added by each kept draft position
         self.load_scale = Ema()  # the round's measured loads ÷ that footprint (verify misses, waste)
+        self.catch_up_s = Ema()  # seconds a catch-up forward takes per token committed while this drafter sat out
         self.rounds = self.ar_rounds = 0
         self.interval, self.since_draft = explore, 0  # AR rounds between explorations, and since the last draft
 
@@ -210,18 +211,35 @@ class CostController:
         """x_0's new layer-experts in the drafter's footprint (an AR step's loads before a round is seen)."""
         return self.x0_new.value if self.x0_new.value is not None else self.costs.ar_loads.value
 
+    def catch_up(self, lag: int) -> float:
+        """Seconds the next draft forward first spends on `lag` tokens committed while this drafter sat
+        out (AR steps, another drafter's rounds; a llama.cpp drafter is a context of its own): per token
+        as catch-ups measured, before any as x_0's layer-experts loaded for each (no reuse: errs high)."""
+        if lag <= 0:
+            return 0.0
+        per = self.catch_up_s.value
+        if per is None:
+            per = self.costs.load_s.value * self.round_x0()
+        return lag * per
+
+    def observe_catch_up(self, tokens: int, wall_s: float) -> None:
+        """A round's first draft forward over `tokens` (x_0 and the lag before it): its time beyond a
+        one-token draft forward, per lagging token."""
+        if tokens > 1 and self.costs.draft_s.value is not None:
+            self.catch_up_s.add(max(0.0, wall_s - self.costs.draft_s.value) / (tokens - 1))
+
     def best_rate_from(self, k: int, new_experts: float, look_ahead: bool) -> float:
         """The best rate of drafting to any k' ≥ k, positions past k at the mean new experts."""
         step = self.new_per_position.value or 0.0
         return max(self.rate(j, new_experts + step * (j - k), look_ahead) for j in range(k, self.k_max + 1))
 
-    def draft_this_round(self, x0_new: float | None = None) -> bool:
-        """Whether to draft at all (else an AR step)."""
+    def draft_this_round(self, x0_new: float | None = None, lag: int = 0, remaining: int | None = None) -> bool:
+        """Whether to draft at all (else an AR step); `lag`, `remaining`: `priced_drafting`'s."""
         self.rounds += 1
         c = self.costs
         if not c.ready:  # calibrating: time the drafted round first, then one AR step
             return not (c.ar_loads.value is None and None not in (c.draft_s.value, c.load_s.value))
-        if self.priced_drafting(x0_new):
+        if self.priced_drafting(x0_new, lag, remaining):
             self.interval, self.since_draft = self.explore, 0
             return True
         self.since_draft += 1
@@ -230,11 +248,16 @@ class CostController:
             return True
         return False
 
-    def priced_drafting(self, x0_new: float | None = None) -> bool:
-        """Whether a drafted round is priced above an AR step."""
+    def priced_drafting(self, x0_new: float | None = None, lag: int = 0, remaining: int | None = None) -> bool:
+        """Whether a drafted round is priced above an AR step. With the `remaining` tokens of the sequence
+        known: whether drafting them is priced faster than AR steps, the drafter first catching up on
+        the `lag` tokens it has not consumed (`catch_up`)."""
         x0 = self.round_x0() if x0_new is None else x0_new
         drafting = self.best_rate_from(1, x0 + (self.new_per_position.value or 0.0), look_ahead=True)
-        return drafting > 1.0 / self.costs.ar_round_s()
+        ar = 1.0 / self.costs.ar_round_s()
+        if remaining:
+            return remaining / drafting + self.catch_up(lag) < remaining / ar
+        return drafting > ar
 
     def keep(self, i: int, kept_new: float, candidate_new: float, look_ahead: bool) -> bool:
         """Append v_i? `kept_new`: new layer-experts of x_0 … v_{i−1} (|Û_{i−1} − resident|), `candidate_new`:
@@ -296,15 +319,17 @@ class DrafterChoice:
         out[None] = 1.0 / next(iter(self.arms.values())).costs.ar_round_s()
         return out
 
-    def choose(self) -> str | None:
-        """The drafter of this round (None: an AR step)."""
+    def choose(self, lags: dict[str, int] | None = None, remaining: int | None = None) -> str | None:
+        """The drafter of this round (None: an AR step). With the `remaining` tokens of the sequence known,
+        the one priced to emit them soonest, a drafter first catching up on the tokens it lags behind
+        (`lags`; `CostController.catch_up`) — switching costs a llama.cpp drafter its lag's loads."""
         self.rounds += 1
-        pick = self._choose()
+        pick = self._choose(lags or {}, remaining)
         if pick is not None:
             self.last_drafted[pick] = self.rounds
         return pick
 
-    def _choose(self) -> str | None:
+    def _choose(self, lags: dict[str, int], remaining: int | None) -> str | None:
         for n, arm in self.arms.items():  # calibrating: every drafter timed, then one AR step
             c = arm.costs
             if None in (c.draft_s.value, c.load_s.value, c.verify_s.value):
@@ -312,7 +337,11 @@ class DrafterChoice:
         if next(iter(self.arms.values())).costs.ar_loads.value is None:
             return None
         rates = self.rates()
-        best = max(rates, key=rates.get)
+        if remaining:  # seconds to emit the rest: AR's, and each drafter's after its catch-up
+            secs = {n: remaining / r + (self.arms[n].catch_up(lags.get(n, 0)) if n else 0.0) for n, r in rates.items()}
+            best = min(secs, key=secs.get)
+        else:
+            best = max(rates, key=rates.get)
         if best is not None:
             self.interval[best] = self.explore
         stale = [n for n in self.arms if n != best and self.rounds - self.last_drafted[n] > self.interval[n]]

@@ -133,12 +133,17 @@ class SpeculativeDecoder:
         elif self.ctl is not None and priors:
             self.ctl.acc.warm(*next(iter(priors.values())), rounds)
 
-    def choose_round(self, chosen: dict[str, int]) -> bool:
+    def choose_round(self, chosen: dict[str, int], committed: int = 0, remaining: int | None = None) -> bool:
         """Whether this round drafts: the cost controller's call (`--controller cost`), or under
-        `--method auto` which drafter drafts it (selected on the engine; counted in `chosen`)."""
+        `--method auto` which drafter drafts it (selected on the engine; counted in `chosen`).
+        `committed` tokens so far and `remaining` to emit: each drafter's lag behind them is priced."""
         if self.choice is None:
-            return self.ctl is None or self.ctl.draft_this_round()
-        arm = self.choice.choose()
+            if self.ctl is None:
+                return True
+            lag = committed - 1 - self.engine.draft_length if self.lookup is None else 0
+            return self.ctl.draft_this_round(lag=lag, remaining=remaining)
+        lags = {n: committed - 1 - length for n, length in self.engine.draft_lengths().items()}
+        arm = self.choice.choose(lags, remaining)
         chosen[arm or "ar"] = chosen.get(arm or "ar", 0) + 1
         if arm is None:
             return False
@@ -231,7 +236,10 @@ class SpeculativeDecoder:
         draft forwards' wall time, the verify pass's compute, the round's loads and their stall."""
         ctl, c = self.ctl, self.ctl.costs
         nan0 = lambda x: 0.0 if x != x else x  # noqa: E731 - a stall not observable (llama.cpp's page faults)
-        c.observe_draft([(f.tokens, f.wall_s - nan0(f.stall_s)) for f in forwards if f.phase == "draft"])
+        drafts = [f for f in forwards if f.phase == "draft"]
+        if drafts:  # the first consumed x_0 and any lag before it (before draft_s moves with this round)
+            ctl.observe_catch_up(drafts[0].tokens, drafts[0].wall_s)
+        c.observe_draft([(f.tokens, f.wall_s - nan0(f.stall_s)) for f in drafts])
         for f in forwards:
             if f.phase == "verify":
                 c.observe_verify(f.tokens, f.wall_s - nan0(f.stall_s), f.loads)
@@ -273,7 +281,7 @@ class SpeculativeDecoder:
         chosen: dict[str, int] = {}  # --method auto: rounds by drafter ("ar": AR steps)
         while len(tokens) < max_new_tokens and tokens[-1] != eos_token_id:
             k_limit = min(cfg.k_max, max_new_tokens - len(tokens) - 1)
-            if k_limit > 0 and not self.choose_round(chosen):
+            if k_limit > 0 and not self.choose_round(chosen, len(committed), max_new_tokens - len(tokens)):
                 k_limit, cost_ar_rounds = 0, cost_ar_rounds + 1  # priced: an AR step pays more here
             eng.begin_round()
             prefetched_before = eng.ledger.prefetch["bytes"]
