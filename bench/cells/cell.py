@@ -23,6 +23,7 @@ from draftexpert.runtime.ggml_kernel import KERNELS
 from draftexpert.runtime.gguf_layout import TYPES
 from draftexpert.runtime.loader import HEAD_TYPES
 from draftexpert.speculation.config import BUDGET_MODES, CONTROLLERS, DRAFT_CACHES, SpecConfig
+from draftexpert.speculation.controller import PRICING
 from draftexpert.speculation.lookup import PLD_TOKENS, Lookup
 
 Method = Literal["ar", "reference", "top-r", "draftexpert", "pld", "auto"]
@@ -335,6 +336,8 @@ class Cell:
                     args["prefetching"] = sorted(AUTO_PREFETCHING)
         if self.read_bw:
             args["read_bw"] = self.read_bw  # a capped cell is another cell
+        if self.priced:
+            args["pricing"] = PRICING  # another revision of the prices is another cell, never resumed
         if resolved.calibration:
             args["calibration"] = resolved.calibration  # the controller's prior: its profile's hash and rows
         return args

@@ -14,6 +14,10 @@ from __future__ import annotations
 import math
 
 Key = tuple[int, int]  # (layer, expert)
+# The cost model's revision, in the key of every priced cell (`--controller cost`, `--method auto`): a
+# change to what the prices are or how a round is chosen re-measures rather than resuming older records.
+# 2: catch-ups priced and kept out of x_0's footprint; exploration per drafter; acceptance discounted.
+PRICING = 2
 
 
 def expansion(predicted: set[Key], kept: set[Key], resident: set[Key] | None = None) -> int:
