@@ -133,7 +133,7 @@ class SpeculativeDecoder:
         elif self.ctl is not None and priors:
             self.ctl.acc.warm(*next(iter(priors.values())), rounds)
 
-    def choose_round(self, chosen: dict[str, int], committed: int = 0, remaining: int | None = None) -> bool:
+    def choose_round(self, chosen: dict[str, int], committed: int, remaining: int) -> bool:
         """Whether this round drafts: the cost controller's call (`--controller cost`), or under
         `--method auto` which drafter drafts it (selected on the engine; counted in `chosen`).
         `committed` tokens so far and `remaining` to emit: each drafter's lag behind them is priced."""
